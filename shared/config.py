@@ -1,0 +1,183 @@
+"""Typed job configs: YAML from `jobs/` plus dotted `key=value` overrides -> a dataclass.
+
+Every job has one nested config dataclass. `load_config` builds it from a YAML file (or a name that resolves
+to one in `jobs/`), applies overrides such as `output.uri=s3://bucket/x` or `resolutions=[256,512]`, coerces
+values to the declared field types and rejects any key the dataclass does not declare, naming the key and
+the keys that exist. Cross-field rules live in each dataclass's `__post_init__`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+
+T = TypeVar("T")
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+JOBS_DIR = REPO_ROOT / "jobs"
+
+
+class ConfigError(ValueError):
+    """A config file or override that does not fit the job's config dataclass."""
+
+
+def resolve_job_file(name_or_path: str | Path, kind: str) -> Path:
+    """Turn `laion400m` into `jobs/<kind>/laion400m.yaml`; pass real paths through."""
+    candidate = Path(name_or_path)
+    if candidate.suffix in (".yaml", ".yml") or candidate.exists():
+        if not candidate.exists():
+            raise ConfigError(f"config file {candidate} does not exist")
+        return candidate
+    named = JOBS_DIR / kind / f"{name_or_path}.yaml"
+    if named.exists():
+        return named
+    known = sorted(p.stem for p in (JOBS_DIR / kind).glob("*.yaml"))
+    raise ConfigError(f"no config named {name_or_path!r} in {JOBS_DIR / kind}; known: {', '.join(known)}")
+
+
+def load_config(
+    cls: type[T],
+    source: str | Path | Mapping[str, Any] | None = None,
+    overrides: Sequence[str] = (),
+    kind: str | None = None,
+) -> T:
+    """Build `cls` from a YAML file / job name / mapping, then apply `key=value` overrides."""
+    where = "<defaults>"
+    raw: dict[str, Any] = {}
+    if isinstance(source, Mapping):
+        raw, where = dict(source), "<mapping>"
+    elif source is not None:
+        path = resolve_job_file(source, kind) if kind else Path(source)
+        where = str(path)
+        loaded = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{path} must hold a mapping at the top level, not {type(loaded).__name__}")
+        raw = loaded
+    for item in overrides:
+        _apply_override(raw, item)
+    return build_dataclass(cls, raw, where=where)
+
+
+def _apply_override(raw: dict[str, Any], item: str) -> None:
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} must look like key=value (e.g. output.uri=/tmp/out)")
+    dotted, text = item.split("=", 1)
+    value = yaml.safe_load(text) if text.strip() else ""
+    node = raw
+    parts = dotted.strip().split(".")
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {item!r}: {part!r} is a value, not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def build_dataclass(cls: type[T], raw: Mapping[str, Any], where: str = "<mapping>", prefix: str = "") -> T:
+    """Recursively coerce a mapping into dataclass `cls`, rejecting unknown keys."""
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{where}: {prefix or 'config'} must be a mapping, got {raw!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}  # type: ignore[arg-type]
+    unknown = sorted(set(raw) - set(fields))
+    if unknown:
+        names = ", ".join(prefix + k for k in unknown)
+        raise ConfigError(f"{where}: unknown key(s) {names}; known keys here: {', '.join(sorted(fields))}")
+    hints = typing.get_type_hints(cls)
+    kwargs = {name: _coerce(hints[name], value, where, prefix + name) for name, value in raw.items()}
+    try:
+        return cls(**kwargs)
+    except TypeError as err:  # a required field with no default and no value
+        raise ConfigError(f"{where}: {prefix or 'config'}: {err}") from err
+
+
+def _coerce(tp: Any, value: Any, where: str, key: str) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for option in (a for a in args if a is not type(None)):
+            try:
+                return _coerce(option, value, where, key)
+            except ConfigError as err:
+                errors.append(str(err))
+        raise ConfigError(errors[-1] if errors else f"{where}: {key}: bad value {value!r}")
+    if origin is typing.Literal:
+        if value not in args:
+            raise ConfigError(f"{where}: {key} must be one of {list(args)}, got {value!r}")
+        return value
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        return build_dataclass(tp, value, where, key + ".")
+    if origin in (list, tuple, Sequence) or tp in (list, tuple):
+        if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+            value = [value]
+        if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_coerce(args[0], v, where, f"{key}[{i}]") for i, v in enumerate(value))
+        if origin is tuple and args:
+            if len(args) != len(value):
+                raise ConfigError(f"{where}: {key} needs {len(args)} items, got {value!r}")
+            return tuple(_coerce(a, v, where, f"{key}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
+        inner = args[0] if args else Any
+        items = [_coerce(inner, v, where, f"{key}[{i}]") for i, v in enumerate(value)]
+        return tuple(items) if origin is tuple or tp is tuple else items
+    if origin in (dict, Mapping) or tp is dict:
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{where}: {key} must be a mapping, got {value!r}")
+        vt = args[1] if len(args) == 2 else Any
+        return {str(k): _coerce(vt, v, where, f"{key}.{k}") for k, v in value.items()}
+    return _coerce_scalar(tp, value, where, key)
+
+
+def _coerce_scalar(tp: Any, value: Any, where: str, key: str) -> Any:
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
+            return value.lower() in ("true", "yes", "1")
+        raise ConfigError(f"{where}: {key} must be true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+            raise ConfigError(f"{where}: {key} must be an integer, got {value!r}")
+        try:
+            as_float = float(value)
+        except ValueError as err:
+            raise ConfigError(f"{where}: {key} must be an integer, got {value!r}") from err
+        if as_float != int(as_float):
+            raise ConfigError(f"{where}: {key} must be an integer, got {value!r}")
+        return int(as_float)
+    if tp is float:
+        if isinstance(value, bool):
+            raise ConfigError(f"{where}: {key} must be a number, got {value!r}")
+        try:
+            return float(value)
+        except (TypeError, ValueError) as err:
+            raise ConfigError(f"{where}: {key} must be a number, got {value!r}") from err
+    if tp is str:
+        if isinstance(value, (dict, list)):
+            raise ConfigError(f"{where}: {key} must be a string, got {value!r}")
+        return "" if value is None else str(value)
+    return value
+
+
+def config_to_dict(cfg: Any) -> dict[str, Any]:
+    """The resolved config as plain data (saved next to every output)."""
+    return _plain(dataclasses.asdict(cfg))
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value

@@ -1,0 +1,157 @@
+"""The dataset manifest and the on-storage layout of an encode output.
+
+    <root>/manifest.json                      the current version (written last: publishing is one PUT)
+    <root>/versions/<vid>/manifest.json        every published version, kept until `encode gc`
+    <root>/versions/<vid>/<res>/index.json     that version's merged MDS index for one resolution
+    <root>/<res>/index.json                    the current version's index (plain StreamingDataset works)
+    <root>/<res>/<partition>-<fp>/shard.*.mds  immutable partition outputs, shared between versions
+    <root>/_parts/<partition>/<recipe>.json    done-markers: what produced a partition, and its counts
+
+Shards live under `<root>/<res>/` so every index (current or older version) names them by a relative path
+below its stream root; train places the wanted version's index into its local cache before streaming.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from shared import storage
+from shared.contract import CONTRACT_VERSION, Shapes
+
+MANIFEST_NAME = "manifest.json"
+INDEX_NAME = "index.json"
+
+
+def fingerprint(obj: Any) -> str:
+    """Stable short hash of JSON-able data (sorted keys)."""
+    blob = json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where each piece of an encode output lives under its root URI."""
+
+    root: str
+
+    @property
+    def manifest(self) -> str:
+        return storage.join(self.root, MANIFEST_NAME)
+
+    @property
+    def metrics(self) -> str:
+        return storage.join(self.root, "metrics.json")
+
+    def version_dir(self, vid: str) -> str:
+        return storage.join(self.root, "versions", vid)
+
+    def version_manifest(self, vid: str) -> str:
+        return storage.join(self.version_dir(vid), MANIFEST_NAME)
+
+    def version_index(self, vid: str, resolution: int) -> str:
+        return storage.join(self.version_dir(vid), str(resolution), INDEX_NAME)
+
+    def stream_root(self, resolution: int) -> str:
+        """The `remote` a StreamingDataset uses for one resolution."""
+        return storage.join(self.root, str(resolution))
+
+    def current_index(self, resolution: int) -> str:
+        return storage.join(self.stream_root(resolution), INDEX_NAME)
+
+    def partition_output(self, resolution: int, dirname: str) -> str:
+        return storage.join(self.stream_root(resolution), dirname)
+
+    def parts_dir(self) -> str:
+        return storage.join(self.root, "_parts")
+
+    def done_marker(self, partition: str, recipe: str) -> str:
+        return storage.join(self.parts_dir(), partition, f"{recipe}.json")
+
+
+def encode_array(array: np.ndarray) -> dict[str, Any]:
+    return {
+        "dtype": str(array.dtype),
+        "shape": list(array.shape),
+        "base64": base64.b64encode(np.ascontiguousarray(array).tobytes()).decode(),
+    }
+
+
+def decode_array(obj: dict[str, Any]) -> np.ndarray:
+    raw = base64.b64decode(obj["base64"])
+    return np.frombuffer(raw, dtype=obj["dtype"]).reshape(obj["shape"]).copy()
+
+
+@dataclass
+class ResolutionInfo:
+    num_samples: int
+    shapes: Shapes
+    bytes: int  # bytes of this resolution's shard files
+    smaller_than_resolution: int  # passed the filters but too small for this resolution (never upscaled)
+    fingerprint: str  # of everything that shaped this resolution's rows
+
+
+@dataclass
+class DatasetManifest:
+    version: str
+    created: str
+    preset: str
+    scale_factor: float
+    resolutions: dict[int, ResolutionInfo]
+    rejected: dict[str, int]
+    samples_read: int
+    fingerprints: dict[str, Any]
+    empty_caption_embedding: np.ndarray
+    partitions: list[dict[str, Any]]
+    config: dict[str, Any]
+    contract_version: int = CONTRACT_VERSION
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def dataset_fingerprint(self) -> str:
+        return str(self.fingerprints["dataset"])
+
+    def num_samples(self, resolution: int) -> int:
+        return self.resolutions[resolution].num_samples
+
+    def to_json(self) -> dict[str, Any]:
+        from shared.contract import mds_columns
+
+        out = asdict(self)
+        out["resolutions"] = {
+            str(r): {**asdict(info), "shapes": info.shapes.to_json()} for r, info in self.resolutions.items()
+        }
+        out["num_samples"] = {str(r): info.num_samples for r, info in self.resolutions.items()}
+        out["schema"] = {str(r): mds_columns(info.shapes) for r, info in self.resolutions.items()}
+        out["empty_caption_embedding"] = encode_array(self.empty_caption_embedding)
+        return out
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> DatasetManifest:
+        obj = dict(obj)
+        obj.pop("num_samples", None)
+        obj.pop("schema", None)
+        obj["resolutions"] = {
+            int(r): ResolutionInfo(**{**info, "shapes": Shapes.from_json(info["shapes"])})
+            for r, info in obj["resolutions"].items()
+        }
+        obj["empty_caption_embedding"] = decode_array(obj["empty_caption_embedding"])
+        return cls(**obj)
+
+
+def read_manifest(root: str, version: str | None = None) -> DatasetManifest:
+    """The current manifest of an encode output, or a given older version's."""
+    layout = Layout(root)
+    uri = layout.version_manifest(version) if version else layout.manifest
+    try:
+        return DatasetManifest.from_json(storage.read_json(uri))
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"no dataset manifest at {uri}: point data.uri at the output.uri of a finished `make encode` "
+            "run (or run `python -m encode finalize` if its ranks finished but never merged)"
+        ) from None

@@ -1,0 +1,306 @@
+"""One small API over local paths and `s3://` URIs.
+
+S3 goes through boto3 and honours `S3_ENDPOINT_URL`, the same variable MosaicML Streaming reads, so one
+setting points both the encode writer and the train reader at MinIO / SeaweedFS / R2 / a VPC endpoint.
+Local writes are atomic (temp file + rename); an S3 PUT is atomic by itself.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import functools
+import json
+import os
+import re
+import shutil
+import tempfile
+import urllib.parse
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+S3_SCHEME = "s3://"
+_BRACE_RANGE = re.compile(r"\{(\d+)\.\.(\d+)\}")
+_GLOB_CHARS = re.compile(r"[*?\[]")
+
+
+class StorageError(OSError):
+    """A storage operation failed in a way the user can fix (missing file, bad URI, no credentials)."""
+
+
+def is_s3(uri: str) -> bool:
+    return str(uri).startswith(S3_SCHEME)
+
+
+def split_s3(uri: str) -> tuple[str, str]:
+    """`s3://bucket/a/b` -> (`bucket`, `a/b`)."""
+    parsed = urllib.parse.urlparse(uri)
+    if parsed.scheme != "s3" or not parsed.netloc:
+        raise StorageError(f"not an s3 URI: {uri!r} (expected s3://bucket/prefix)")
+    return parsed.netloc, parsed.path.lstrip("/")
+
+
+def join(base: str, *parts: str) -> str:
+    """Join path parts with `/` for S3 and os.path semantics for local paths."""
+    if is_s3(base):
+        out = base.rstrip("/")
+        for part in parts:
+            out += "/" + str(part).strip("/")
+        return out
+    return os.path.join(base, *parts)
+
+
+def relpath(uri: str, base: str) -> str:
+    """`uri` relative to `base` (both local or both s3)."""
+    if is_s3(base):
+        prefix = base.rstrip("/") + "/"
+        if not uri.startswith(prefix):
+            raise StorageError(f"{uri} is not under {base}")
+        return uri[len(prefix) :]
+    return os.path.relpath(uri, base)
+
+
+@functools.lru_cache(maxsize=4)
+def _client(endpoint: str | None) -> Any:
+    import boto3
+    from botocore.config import Config
+
+    return boto3.client("s3", endpoint_url=endpoint, config=Config(retries={"max_attempts": 8}))
+
+
+def s3_client() -> Any:
+    """A boto3 S3 client for the endpoint in `S3_ENDPOINT_URL` (unset: AWS)."""
+    return _client(os.environ.get("S3_ENDPOINT_URL") or None)
+
+
+def _s3_error(err: Exception, uri: str) -> StorageError:
+    return StorageError(
+        f"S3 request for {uri} failed: {err}. Check AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY and, for a "
+        f"non-AWS server, S3_ENDPOINT_URL (now {os.environ.get('S3_ENDPOINT_URL')!r})."
+    )
+
+
+def _is_missing(err: Exception) -> bool:
+    code = getattr(err, "response", {}).get("Error", {}).get("Code", "")
+    return code in ("404", "NoSuchKey", "NotFound")
+
+
+def read_bytes(uri: str) -> bytes:
+    if not is_s3(uri):
+        try:
+            return Path(uri).read_bytes()
+        except FileNotFoundError as err:
+            raise FileNotFoundError(f"{uri} does not exist") from err
+    bucket, key = split_s3(uri)
+    try:
+        return s3_client().get_object(Bucket=bucket, Key=key)["Body"].read()
+    except Exception as err:
+        if _is_missing(err):
+            raise FileNotFoundError(f"{uri} does not exist") from err
+        raise _s3_error(err, uri) from err
+
+
+def read_json(uri: str) -> Any:
+    return json.loads(read_bytes(uri))
+
+
+def write_bytes(uri: str, data: bytes) -> None:
+    """Write atomically: readers see the old object or the new one, never a torn one."""
+    if is_s3(uri):
+        bucket, key = split_s3(uri)
+        try:
+            s3_client().put_object(Bucket=bucket, Key=key, Body=data)
+        except Exception as err:
+            raise _s3_error(err, uri) from err
+        return
+    path = Path(uri)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_json(uri: str, obj: Any) -> None:
+    write_bytes(uri, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
+
+
+def exists(uri: str) -> bool:
+    if not is_s3(uri):
+        return os.path.exists(uri)
+    bucket, key = split_s3(uri)
+    try:
+        s3_client().head_object(Bucket=bucket, Key=key)
+        return True
+    except Exception as err:
+        if _is_missing(err):
+            return False
+        raise _s3_error(err, uri) from err
+
+
+@dataclass(frozen=True)
+class FileInfo:
+    uri: str
+    size: int
+    version: str  # mtime (local) or ETag (S3): changes when the content is replaced
+
+
+def list_files(prefix: str) -> list[FileInfo]:
+    """Every file under `prefix` (a folder), recursively, sorted by URI."""
+    if not is_s3(prefix):
+        root = Path(prefix)
+        if not root.exists():
+            return []
+        if root.is_file():
+            return [_local_info(root)]
+        return sorted(
+            (_local_info(p) for p in root.rglob("*") if p.is_file()),
+            key=lambda info: info.uri,
+        )
+    bucket, key = split_s3(prefix)
+    key = key.rstrip("/") + "/" if key else ""
+    out = []
+    try:
+        paginator = s3_client().get_paginator("list_objects_v2")
+        for page in paginator.paginate(Bucket=bucket, Prefix=key):
+            for obj in page.get("Contents", []):
+                uri = f"{S3_SCHEME}{bucket}/{obj['Key']}"
+                out.append(FileInfo(uri, int(obj["Size"]), str(obj.get("ETag", "")).strip('"')))
+    except Exception as err:
+        raise _s3_error(err, prefix) from err
+    return sorted(out, key=lambda info: info.uri)
+
+
+def _local_info(path: Path) -> FileInfo:
+    stat = path.stat()
+    return FileInfo(str(path), stat.st_size, str(stat.st_mtime_ns))
+
+
+def stat(uri: str) -> FileInfo:
+    if not is_s3(uri):
+        if not os.path.isfile(uri):
+            raise FileNotFoundError(f"{uri} does not exist")
+        return _local_info(Path(uri))
+    bucket, key = split_s3(uri)
+    try:
+        head = s3_client().head_object(Bucket=bucket, Key=key)
+    except Exception as err:
+        if _is_missing(err):
+            raise FileNotFoundError(f"{uri} does not exist") from err
+        raise _s3_error(err, uri) from err
+    return FileInfo(uri, int(head["ContentLength"]), str(head.get("ETag", "")).strip('"'))
+
+
+def open_read(uri: str) -> IO[bytes]:
+    """A binary stream (S3: streamed, not buffered whole in memory)."""
+    if not is_s3(uri):
+        return open(uri, "rb")  # noqa: SIM115 - the caller closes it
+    bucket, key = split_s3(uri)
+    try:
+        return s3_client().get_object(Bucket=bucket, Key=key)["Body"]
+    except Exception as err:
+        if _is_missing(err):
+            raise FileNotFoundError(f"{uri} does not exist") from err
+        raise _s3_error(err, uri) from err
+
+
+def delete(uri: str) -> None:
+    if not is_s3(uri):
+        Path(uri).unlink(missing_ok=True)
+        return
+    bucket, key = split_s3(uri)
+    try:
+        s3_client().delete_object(Bucket=bucket, Key=key)
+    except Exception as err:
+        raise _s3_error(err, uri) from err
+
+
+def delete_tree(uri: str) -> None:
+    """Remove a folder and everything under it."""
+    if not is_s3(uri):
+        shutil.rmtree(uri, ignore_errors=True)
+        return
+    for info in list_files(uri):
+        delete(info.uri)
+
+
+def upload_dir(local_dir: str | Path, uri: str) -> None:
+    """Copy a local folder's files to `uri` (local: move it into place with one rename)."""
+    local_dir = Path(local_dir)
+    if not is_s3(uri):
+        target = Path(uri)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if target.exists():  # a leftover from an interrupted run that was never published
+            shutil.rmtree(target)
+        os.replace(local_dir, target)
+        return
+    bucket, key = split_s3(uri)
+    for path in sorted(p for p in local_dir.rglob("*") if p.is_file()):
+        dest = f"{key.rstrip('/')}/{path.relative_to(local_dir).as_posix()}"
+        try:
+            s3_client().upload_file(str(path), bucket, dest)
+        except Exception as err:
+            raise _s3_error(err, f"{S3_SCHEME}{bucket}/{dest}") from err
+
+
+def download_dir(uri: str, local_dir: str | Path) -> Path:
+    """Copy every file under `uri` into `local_dir`, keeping relative paths."""
+    local_dir = Path(local_dir)
+    for info in list_files(uri):
+        dest = local_dir / relpath(info.uri, uri)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        if is_s3(uri):
+            bucket, key = split_s3(info.uri)
+            s3_client().download_file(bucket, key, str(dest))
+        else:
+            shutil.copyfile(info.uri, dest)
+    return local_dir
+
+
+def expand_braces(pattern: str) -> list[str]:
+    """Expand numeric brace ranges, keeping zero padding: `{00000..00002}.tar` -> 3 names."""
+    match = _BRACE_RANGE.search(pattern)
+    if not match:
+        return [pattern]
+    lo, hi = match.group(1), match.group(2)
+    width = len(lo) if lo.startswith("0") and len(lo) > 1 else 0
+    if int(hi) < int(lo):
+        raise StorageError(f"brace range {match.group(0)} in {pattern!r} runs backwards")
+    head, tail = pattern[: match.start()], pattern[match.end() :]
+    out = []
+    for number in range(int(lo), int(hi) + 1):
+        out.extend(expand_braces(f"{head}{str(number).zfill(width)}{tail}"))
+    return out
+
+
+def expand_pattern(pattern: str) -> list[str]:
+    """Brace ranges and shell globs (`*`, `?`, `[...]`) over local paths or S3 keys, sorted.
+
+    A brace range names files that must exist; a glob matches what exists. Missing brace-range members
+    are reported by the caller when opened, so one missing shard does not hide the others.
+    """
+    out: list[str] = []
+    for item in expand_braces(pattern):
+        if not _GLOB_CHARS.search(item):
+            out.append(item)
+            continue
+        root = _glob_root(item)
+        out.extend(info.uri for info in list_files(root) if fnmatch.fnmatchcase(info.uri, item))
+    return sorted(dict.fromkeys(out))
+
+
+def _glob_root(pattern: str) -> str:
+    """The longest folder prefix of `pattern` with no glob characters."""
+    head = pattern[: _GLOB_CHARS.search(pattern).start()]  # type: ignore[union-attr]
+    return head.rsplit("/", 1)[0] if "/" in head else "."
+
+
+def iter_lines(uri: str) -> Iterator[str]:
+    yield from read_bytes(uri).decode().splitlines()
