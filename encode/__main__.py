@@ -1,0 +1,3 @@
+from encode.cli import main
+
+main()

@@ -1,0 +1,156 @@
+"""`python -m encode run|finalize|gc DATASET [key=value ...]`: thin wrappers over the library."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+
+import typer
+
+from encode.config import EncodeConfig
+from shared.config import ConfigError, load_config
+
+app = typer.Typer(
+    add_completion=False, no_args_is_help=True, help="Encode images + captions into MDS latents."
+)
+
+DATASET_HELP = "a name in jobs/datasets/ (e.g. sample, laion400m) or a path to a YAML file"
+OVERRIDES_HELP = "dotted overrides, e.g. output.uri=s3://bucket/x preset=tiny transform.resolutions=[256]"
+# A rank may wait at the final barrier for the slowest rank of a multi-day encode.
+BARRIER_TIMEOUT = timedelta(days=7)
+
+
+def load(dataset: str, overrides: list[str] | None) -> EncodeConfig:
+    try:
+        return load_config(EncodeConfig, dataset, overrides or [], kind="datasets")
+    except ConfigError as err:
+        typer.echo(f"config error: {err}", err=True)
+        raise typer.Exit(2) from None
+
+
+@contextmanager
+def user_errors() -> Iterator[None]:
+    """Problems the user fixes (a wrong path, missing credentials) print one line instead of a traceback."""
+    from encode.sources import SourceError
+    from shared.storage import StorageError
+
+    try:
+        yield
+    except (FileNotFoundError, SourceError, StorageError, ConfigError) as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(2) from None
+
+
+def setup_logging() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+
+@app.command()
+def run(
+    dataset: str = typer.Argument(..., help=DATASET_HELP),
+    overrides: list[str] = typer.Argument(None, help=OVERRIDES_HELP),
+) -> None:
+    """Encode this rank's unfinished partitions; rank 0 then publishes the dataset version."""
+    from encode.encoders import load_encoders
+    from encode.finalize import publish
+    from encode.pipeline import RankInfo, run_rank
+    from encode.report import print_publish, print_rank
+
+    setup_logging()
+    cfg = load(dataset, overrides)
+    rank = RankInfo.from_env()
+    start = time.perf_counter()
+    with user_errors():
+        encoders = load_encoders(cfg)
+        summary = run_rank(cfg, rank, encoders)
+    print_rank(summary)
+    joined = wait_for_all_ranks(rank.world_size)
+    if summary.failed:
+        raise typer.Exit(1)
+    if rank.rank == 0 and (rank.world_size == 1 or joined):
+        with user_errors(), finished_or_exit():
+            result = publish(cfg, encoders)
+        print_publish(result, cfg, time.perf_counter() - start)
+
+
+def wait_for_all_ranks(world_size: int) -> bool:
+    """Barrier over torch.distributed (gloo) when launched by torchrun / Composer's launcher.
+
+    Joining only at the end means a rank that crashed early cannot hang the others mid-encode. Ranks
+    launched as independent scheduler tasks (no MASTER_ADDR, e.g. a Slurm array) don't join; their launch
+    plan runs `encode finalize` after all of them instead.
+    """
+    if world_size == 1 or "MASTER_ADDR" not in os.environ:
+        return False
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", timeout=BARRIER_TIMEOUT)
+    dist.barrier()
+    return True
+
+
+@contextmanager
+def finished_or_exit() -> Iterator[None]:
+    from encode.finalize import NotFinishedError
+
+    try:
+        yield
+    except NotFinishedError as err:
+        typer.echo(str(err), err=True)
+        raise typer.Exit(1) from None
+
+
+@app.command()
+def finalize(
+    dataset: str = typer.Argument(..., help=DATASET_HELP),
+    overrides: list[str] = typer.Argument(None, help=OVERRIDES_HELP),
+) -> None:
+    """Merge every finished partition into a new dataset version (after all ranks are done)."""
+    from encode.encoders import load_encoders
+    from encode.finalize import publish
+    from encode.report import print_publish
+
+    setup_logging()
+    cfg = load(dataset, overrides)
+    start = time.perf_counter()
+    with user_errors(), finished_or_exit():
+        result = publish(cfg, load_encoders(cfg))
+    print_publish(result, cfg, time.perf_counter() - start)
+
+
+@app.command()
+def gc(
+    dataset: str = typer.Argument(..., help=DATASET_HELP),
+    overrides: list[str] = typer.Argument(None, help=OVERRIDES_HELP),
+    keep: int = typer.Option(1, help="how many newest versions to keep (the current one always stays)"),
+    dry_run: bool = typer.Option(False, "--dry-run", help="list what would be deleted, delete nothing"),
+) -> None:
+    """Delete old dataset versions and partition outputs that no kept version uses."""
+    from encode.finalize import collect_garbage
+    from shared.manifest import Layout
+
+    cfg = load(dataset, overrides)
+    with user_errors():
+        report = collect_garbage(Layout(cfg.output.uri), keep=keep, dry_run=dry_run)
+    verb = "would delete" if dry_run else "deleted"
+    typer.echo(f"kept versions: {', '.join(report.kept_versions)}")
+    typer.echo(
+        f"{verb} {len(report.deleted_versions)} versions, {len(report.deleted_partition_dirs)} "
+        f"partition folders, {report.deleted_markers} done-markers"
+    )
+    for name in report.deleted_partition_dirs:
+        typer.echo(f"  {name}")
+
+
+def main() -> None:
+    app(prog_name="python -m encode")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

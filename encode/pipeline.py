@@ -1,0 +1,214 @@
+"""The encode job: plan, encode this rank's unfinished partitions, then (rank 0) publish a version.
+
+Workers (encode/prepare.py) read, select, decode and resize; this process batches within a partition, runs
+the VAE and text tower, and writes rows (encode/writer.py). Batches never span partitions, so the bytes of
+a sample do not depend on the worker or rank count.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from encode.config import EncodeConfig
+from encode.encoders import Encoders, load_encoders
+from encode.plan import (
+    DoneMarker,
+    PartitionPlan,
+    StageFingerprints,
+    assign_to_rank,
+    list_markers,
+    plan_partitions,
+    stage_fingerprints,
+)
+from encode.prepare import PartitionEnd, PreparedSample, PreparedStream, keep_as_is
+from encode.sources import list_partitions
+from encode.writer import PartitionWriter
+from shared.manifest import Layout
+
+log = logging.getLogger("encode")
+
+
+@dataclass
+class RankSummary:
+    rank: int
+    world_size: int
+    partitions_total: int
+    partitions_mine: int
+    partitions_done_before: int
+    markers: list[DoneMarker] = field(default_factory=list)
+    failed: dict[str, str] = field(default_factory=dict)  # partition -> error
+    seconds: float = 0.0
+
+    @property
+    def samples_written(self) -> int:
+        return sum(out["num_samples"] for m in self.markers for out in m.outputs.values())
+
+    @property
+    def images_encoded(self) -> int:
+        return sum(sum(m.encoded["latents"].values()) for m in self.markers)
+
+    @property
+    def samples_read(self) -> int:
+        return sum(m.samples_read for m in self.markers)
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    rank: int
+    world_size: int
+
+    @classmethod
+    def from_env(cls) -> RankInfo:
+        """RANK / WORLD_SIZE as set by torchrun, Composer's launcher, or a Slurm array (see jobs/launch)."""
+        return cls(int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)))
+
+
+class PartitionBatcher:
+    """Collects one partition's samples and flushes them through the models in batches, in order."""
+
+    def __init__(self, writer: PartitionWriter, encoders: Encoders, batch_size: int):
+        self.writer, self.encoders, self.batch_size = writer, encoders, batch_size
+        self.pending: list[PreparedSample] = []
+
+    def add(self, sample: PreparedSample) -> None:
+        self.pending.append(sample)
+        if len(self.pending) >= self.batch_size:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        batch, self.pending = self.pending, []
+        texts = self._texts(batch)
+        latents = self._latents(batch)
+        for i, sample in enumerate(batch):
+            self.writer.write(sample.key, sample.caption, texts[i], latents[i])
+
+    def _texts(self, batch: list[PreparedSample]) -> list[np.ndarray]:
+        todo = [i for i, s in enumerate(batch) if s.text_embedding is None]
+        out: list[np.ndarray | None] = [s.text_embedding for s in batch]
+        if todo:
+            encoded = self.encoders.encode_text([batch[i].text_input for i in todo])
+            for i, emb in zip(todo, encoded, strict=True):
+                out[i] = emb
+        self.writer.count("text", reused=False, n=len(todo))
+        self.writer.count("text", reused=True, n=len(batch) - len(todo))
+        return out  # type: ignore[return-value]
+
+    def _latents(self, batch: list[PreparedSample]) -> list[dict[int, tuple[np.ndarray, np.ndarray]]]:
+        out = [dict(s.latents) for s in batch]
+        resolutions = sorted({res for s in batch for res in (*s.pixels, *s.latents)})
+        for res in resolutions:
+            todo = [i for i, s in enumerate(batch) if res in s.pixels]
+            if todo:
+                means, logvars = self.encoders.encode_images([batch[i].pixels[res] for i in todo])
+                for j, i in enumerate(todo):
+                    out[i][res] = (means[j], logvars[j])
+            self.writer.count(f"latents:{res}", reused=False, n=len(todo))
+            self.writer.count(f"latents:{res}", reused=True, n=sum(res in s.latents for s in batch))
+        return out
+
+
+def encode_partitions(
+    plans: list[PartitionPlan],
+    cfg: EncodeConfig,
+    encoders: Encoders,
+    layout: Layout,
+    stages: StageFingerprints,
+    summary: RankSummary,
+) -> None:
+    """Run the worker stream and write every partition in `plans`, publishing each as it completes."""
+    import torch.utils.data
+
+    shapes = {res: encoders.shapes(res) for res in cfg.transform.resolutions}
+    by_id = {p.partition.id: p for p in plans}
+    open_batchers: dict[str, PartitionBatcher] = {}
+    loader = torch.utils.data.DataLoader(
+        PreparedStream(plans, cfg),
+        batch_size=None,
+        num_workers=min(cfg.workers, len(plans)),
+        collate_fn=keep_as_is,
+        prefetch_factor=4 if cfg.workers else None,
+    )
+    progress = Progress(len(plans), enabled=cfg.progress)
+    for item in loader:
+        pid = item.partition
+        if pid not in open_batchers:
+            writer = PartitionWriter(by_id[pid], cfg, layout, shapes)
+            open_batchers[pid] = PartitionBatcher(writer, encoders, cfg.encoder.batch_size)
+        batcher = open_batchers[pid]
+        if isinstance(item, PreparedSample):
+            batcher.add(item)
+            continue
+        del open_batchers[pid]
+        finish_partition(batcher, item, stages, summary)
+        progress.update(summary)
+    progress.close()
+
+
+def finish_partition(
+    batcher: PartitionBatcher, end: PartitionEnd, stages: StageFingerprints, summary: RankSummary
+) -> None:
+    if end.error:
+        batcher.writer.discard()
+        summary.failed[end.partition] = end.error
+        log.error("partition %s failed, will be retried on the next run: %s", end.partition, end.error)
+        return
+    batcher.flush()
+    summary.markers.append(batcher.writer.publish(end, stages))
+
+
+class Progress:
+    """A tqdm bar over partitions with images/s and samples written (ETA from tqdm)."""
+
+    def __init__(self, total: int, enabled: bool):
+        from tqdm import tqdm
+
+        self.start = time.perf_counter()
+        self.bar = tqdm(total=total, unit="part", desc="encode", disable=not enabled or total == 0)
+
+    def update(self, summary: RankSummary) -> None:
+        elapsed = max(time.perf_counter() - self.start, 1e-9)
+        self.bar.set_postfix(
+            img_s=f"{summary.images_encoded / elapsed:.1f}",
+            written=summary.samples_written,
+            failed=len(summary.failed),
+        )
+        self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def run_rank(cfg: EncodeConfig, rank: RankInfo, encoders: Encoders | None = None) -> RankSummary:
+    """Encode this rank's share of the unfinished partitions. Safe to rerun at any time."""
+    start = time.perf_counter()
+    encoders = encoders or load_encoders(cfg)
+    layout = Layout(cfg.output.uri)
+    stages = stage_fingerprints(cfg, encoders.ids)
+    partitions = list_partitions(cfg.source)
+    mine = plan_partitions(
+        assign_to_rank(partitions, rank.rank, rank.world_size), stages, layout, list_markers(layout)
+    )
+    todo = [p for p in mine if not p.is_done]
+    summary = RankSummary(rank.rank, rank.world_size, len(partitions), len(mine), len(mine) - len(todo))
+    if todo:
+        log.info(
+            "rank %d/%d: %d of its %d partitions to encode", rank.rank, rank.world_size, len(todo), len(mine)
+        )
+        encode_partitions(todo, cfg, encoders, layout, stages, summary)
+    summary.seconds = time.perf_counter() - start
+    return summary
+
+
+def rejected_total(markers: list[DoneMarker]) -> Counter[str]:
+    total: Counter[str] = Counter()
+    for marker in markers:
+        total.update(marker.rejected)
+    return total

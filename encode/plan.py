@@ -1,0 +1,217 @@
+"""What must be (re)done: fingerprints per stage, done-markers per partition, and what can be reused.
+
+Every output is named by the fingerprints of what produced it:
+- `select`: which samples of a partition are kept (filters, caption cleaning, reader options);
+- `text`: caption cleaning + text encoder identity (weights hash, backend, tokenizer source);
+- `image[res]`: resolution, resize/crop + VAE identity (weights hash).
+Each fingerprint also includes a code version constant below: bump it when the logic it covers changes, so
+outputs made by the old logic are recomputed and never silently mixed with new ones.
+
+A partition is done when its done-marker for the current recipe exists. Otherwise it is encoded, reusing by
+key whatever earlier outputs of the same partition still fit: text embeddings whose text fingerprint and raw
+caption match, latents whose image fingerprint and source bytes match.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from encode.config import EncodeConfig
+from encode.sources import Partition
+from shared import storage
+from shared.contract import CONTRACT_VERSION
+from shared.manifest import Layout, fingerprint
+
+# Bump when the code behind a stage changes its output (see module docstring).
+SELECT_CODE_VERSION = 1  # encode/sources.py, encode/filters.py
+TEXT_CODE_VERSION = 1  # caption cleaning + how the text tower is run
+IMAGE_CODE_VERSION = 1  # encode/images.py decode / resize / crop + how the VAE is run
+
+# Done-markers are read with this many concurrent requests.
+MARKER_READ_THREADS = 32
+
+
+@dataclass(frozen=True)
+class EncoderIds:
+    """Identities of the frozen encoders (weights hashes), computed once per run."""
+
+    vae: str
+    text: str
+    tokenizer: str
+
+
+@dataclass(frozen=True)
+class StageFingerprints:
+    select: str
+    text: str
+    image: dict[int, str]
+
+    def output_fingerprint(self, source: str, resolution: int) -> str:
+        """Everything that shapes the rows of one partition at one resolution."""
+        return fingerprint([CONTRACT_VERSION, source, self.select, self.text, self.image[resolution]])
+
+    def recipe(self, source: str) -> str:
+        """Everything that shapes a partition at all resolutions: names its done-marker."""
+        return fingerprint([CONTRACT_VERSION, source, self.select, self.text, sorted(self.image.items())])
+
+
+def stage_fingerprints(cfg: EncodeConfig, encoders: EncoderIds) -> StageFingerprints:
+    src = cfg.source
+    reader = {
+        "format": src.format,
+        "image_exts": src.image_exts,
+        "caption_ext": src.caption_ext,
+        "columns": [src.image_column, src.caption_column, src.key_column],
+        "folder_partitions": src.folder_partitions,
+    }
+    caption = vars(cfg.caption)
+    select = fingerprint([SELECT_CODE_VERSION, reader, vars(cfg.filter), caption])
+    text = fingerprint([TEXT_CODE_VERSION, caption, encoders.text, encoders.tokenizer])
+    image = {
+        res: fingerprint([IMAGE_CODE_VERSION, res, cfg.transform.resample, cfg.transform.crop, encoders.vae])
+        for res in cfg.transform.resolutions
+    }
+    return StageFingerprints(select, text, image)
+
+
+def output_dirname(partition: Partition, output_fp: str) -> str:
+    return f"{partition.id}-{output_fp[:12]}"
+
+
+@dataclass
+class DoneMarker:
+    """What produced a finished partition, and its counts. Written last: its existence means done."""
+
+    partition: str
+    recipe: str
+    source: str
+    select: str
+    text: str
+    image: dict[int, str]
+    outputs: dict[int, dict[str, Any]]  # res -> {"dir": str | None, "num_samples": int, "bytes": int}
+    samples_read: int
+    rejected: dict[str, int]
+    smaller_than_resolution: dict[int, int]
+    encoded: dict[str, Any]  # {"text": n, "latents": {res: n}}
+    reused: dict[str, Any]  # same shape: what came from earlier outputs
+    seconds: float
+    finished: str
+
+    def to_json(self) -> dict[str, Any]:
+        out = dict(vars(self))
+        for name in ("image", "outputs", "smaller_than_resolution"):
+            out[name] = {str(k): v for k, v in out[name].items()}
+        return out
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> DoneMarker:
+        obj = dict(obj)
+        for name in ("image", "outputs", "smaller_than_resolution"):
+            obj[name] = {int(k): v for k, v in obj[name].items()}
+        return cls(**obj)
+
+
+@dataclass(frozen=True)
+class ReuseSource:
+    """An earlier output of this partition at one resolution whose columns can be copied by key."""
+
+    uri: str  # the partition output folder (holds index.json + shards)
+    text: bool  # its text embeddings fit the current text fingerprint
+    latents: bool  # its latents fit the current image fingerprint at `resolution`
+    resolution: int
+
+
+@dataclass
+class PartitionPlan:
+    partition: Partition
+    source: str  # source fingerprint
+    recipe: str
+    outputs: dict[int, str]  # res -> output dirname
+    done_uri: str | None = None  # this recipe's done-marker, if the partition is finished
+    reuse: list[ReuseSource] = field(default_factory=list)
+
+    @property
+    def is_done(self) -> bool:
+        return self.done_uri is not None
+
+
+def list_markers(layout: Layout) -> dict[str, dict[str, str]]:
+    """partition id -> recipe -> done-marker URI, from one listing (no marker is read)."""
+    found: dict[str, dict[str, str]] = defaultdict(dict)
+    prefix = layout.parts_dir()
+    for info in storage.list_files(prefix):
+        parts = storage.relpath(info.uri, prefix).split("/")
+        if len(parts) == 2 and parts[1].endswith(".json"):
+            found[parts[0]][parts[1].removesuffix(".json")] = info.uri
+    return found
+
+
+def load_markers(uris: Sequence[str]) -> list[DoneMarker]:
+    """Read markers concurrently (on S3, tens of thousands read one by one would take minutes).
+
+    An unreadable marker (written by an incompatible version) is skipped: its work is simply redone.
+    """
+    with ThreadPoolExecutor(MARKER_READ_THREADS) as pool:
+        return [m for m in pool.map(_load_marker, uris) if m is not None]
+
+
+def _load_marker(uri: str) -> DoneMarker | None:
+    try:
+        return DoneMarker.from_json(storage.read_json(uri))
+    except (json.JSONDecodeError, TypeError, KeyError, FileNotFoundError):
+        return None
+
+
+def plan_partitions(
+    partitions: Sequence[Partition],
+    stages: StageFingerprints,
+    layout: Layout,
+    markers: dict[str, dict[str, str]],
+) -> list[PartitionPlan]:
+    """Done or to do, per partition; for those to do, which earlier outputs can be reused."""
+    plans = []
+    for part in partitions:
+        source = part.source_fingerprint()
+        recipe = stages.recipe(source)
+        outputs = {
+            res: output_dirname(part, stages.output_fingerprint(source, res)) for res in sorted(stages.image)
+        }
+        earlier = markers.get(part.id, {})
+        plan = PartitionPlan(part, source, recipe, outputs, done_uri=earlier.get(recipe))
+        if not plan.is_done and earlier:
+            newest_first = sorted(
+                load_markers(list(earlier.values())), key=lambda m: m.finished, reverse=True
+            )
+            plan.reuse = find_reuse(newest_first, stages, source, layout)
+        plans.append(plan)
+    return plans
+
+
+def find_reuse(
+    earlier: Sequence[DoneMarker], stages: StageFingerprints, source: str, layout: Layout
+) -> list[ReuseSource]:
+    """Earlier outputs whose text or latents still fit; newest first so the freshest copy wins."""
+    found = []
+    for marker in earlier:
+        text_fits = marker.text == stages.text
+        for res, out in marker.outputs.items():
+            if not out.get("dir"):
+                continue
+            latents_fit = (
+                res in stages.image and marker.image.get(res) == stages.image[res] and marker.source == source
+            )
+            if text_fits or latents_fit:
+                uri = layout.partition_output(res, out["dir"])
+                found.append(ReuseSource(uri, text_fits, latents_fit, res))
+    return found
+
+
+def assign_to_rank(partitions: Sequence[Partition], rank: int, world_size: int) -> list[Partition]:
+    """Round-robin over the full sorted partition list (done or not), so every rank computes the same
+    split without coordination and any rank count covers each partition exactly once."""
+    return [p for i, p in enumerate(partitions) if i % world_size == rank]

@@ -1,0 +1,128 @@
+"""Write one partition's rows with MDSWriter into staging, then publish atomically and mark it done.
+
+Publishing order is what makes kill -9 safe at any moment: (1) shards are written to a staging folder,
+(2) moved (local: one rename) or uploaded (S3) to a folder named by the output fingerprint, which no
+published version references yet, (3) the done-marker is written with one atomic PUT/rename. A run killed
+before (3) leaves no marker, so the partition is redone from scratch and its folder overwritten.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+import uuid
+from collections import Counter
+from datetime import UTC, datetime
+from pathlib import Path
+
+import numpy as np
+
+from encode.config import EncodeConfig
+from encode.plan import DoneMarker, PartitionPlan, StageFingerprints
+from encode.prepare import PartitionEnd
+from shared import contract, storage
+from shared.manifest import Layout
+
+
+def staging_root(layout: Layout) -> Path:
+    """Local outputs stage beside the data so publishing is a same-filesystem rename."""
+    if storage.is_s3(layout.root):
+        return Path(tempfile.gettempdir()) / "sd-encode-staging"
+    return Path(layout.root) / "_staging"
+
+
+class PartitionWriter:
+    """One MDSWriter per resolution for one partition; rows arrive in input order."""
+
+    def __init__(
+        self,
+        plan: PartitionPlan,
+        cfg: EncodeConfig,
+        layout: Layout,
+        shapes: dict[int, contract.Shapes],
+    ):
+        from streaming import MDSWriter
+
+        self.plan, self.cfg, self.layout = plan, cfg, layout
+        self.started = time.perf_counter()
+        self.staging = staging_root(layout) / f"{plan.partition.id}-{uuid.uuid4().hex[:8]}"
+        self.rows: Counter[int] = Counter()
+        self.encoded: Counter[str] = Counter()
+        self.reused: Counter[str] = Counter()
+        self.finished = False
+        self.writers = {
+            res: MDSWriter(
+                out=str(self.staging / str(res)),
+                columns=contract.mds_columns(shapes[res]),
+                compression=cfg.output.compression,
+                size_limit=cfg.output.shard_size_limit,
+                exist_ok=True,
+            )
+            for res in shapes
+        }
+
+    def write(
+        self,
+        key: str,
+        caption: str,
+        text_embedding: np.ndarray,
+        latents: dict[int, tuple[np.ndarray, np.ndarray]],
+    ) -> None:
+        for res, (mean, logvar) in latents.items():
+            self.writers[res].write(contract.make_row(key, caption, mean, logvar, text_embedding))
+            self.rows[res] += 1
+
+    def count(self, stage: str, reused: bool, n: int = 1) -> None:
+        (self.reused if reused else self.encoded)[stage] += n
+
+    def publish(self, end: PartitionEnd, stages: StageFingerprints) -> DoneMarker:
+        """Finish shards, move them into place, then write the done-marker (the commit point)."""
+        for writer in self.writers.values():
+            writer.finish()
+        self.finished = True
+        outputs = {res: self._publish_resolution(res) for res in self.writers}
+        marker = DoneMarker(
+            partition=self.plan.partition.id,
+            recipe=self.plan.recipe,
+            source=self.plan.source,
+            select=stages.select,
+            text=stages.text,
+            image=dict(stages.image),
+            outputs=outputs,
+            samples_read=end.samples_read,
+            rejected=dict(end.rejected),
+            smaller_than_resolution={res: end.smaller_than_resolution.get(res, 0) for res in self.writers},
+            encoded=_counts(self.encoded),
+            reused=_counts(self.reused),
+            seconds=round(time.perf_counter() - self.started, 3),
+            finished=datetime.now(UTC).isoformat(timespec="microseconds"),
+        )
+        storage.write_json(self.layout.done_marker(marker.partition, marker.recipe), marker.to_json())
+        self.discard()
+        return marker
+
+    def _publish_resolution(self, res: int) -> dict[str, object]:
+        local = self.staging / str(res)
+        if not self.rows[res]:
+            return {"dir": None, "num_samples": 0, "bytes": 0}
+        size = sum(p.stat().st_size for p in local.iterdir() if p.is_file())
+        dirname = self.plan.outputs[res]
+        storage.upload_dir(local, self.layout.partition_output(res, dirname))
+        return {"dir": dirname, "num_samples": self.rows[res], "bytes": size}
+
+    def discard(self) -> None:
+        if not self.finished:  # close the writers' threads and files before deleting what they wrote
+            for writer in self.writers.values():
+                writer.finish()
+            self.finished = True
+        shutil.rmtree(self.staging, ignore_errors=True)
+        parent = self.staging.parent
+        if parent.exists() and not os.listdir(parent):
+            parent.rmdir()
+
+
+def _counts(counter: Counter[str]) -> dict[str, object]:
+    latents = {k.split(":")[1]: v for k, v in counter.items() if k.startswith("latents:")}
+    return {"text": counter.get("text", 0), "latents": latents}
