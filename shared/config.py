@@ -8,6 +8,7 @@ the keys that exist. Cross-field rules live in each dataclass's `__post_init__`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import types
 import typing
@@ -127,15 +128,18 @@ def _coerce(tp: Any, value: Any, where: str, key: str) -> Any:
         if origin is tuple and args:
             if len(args) != len(value):
                 raise ConfigError(f"{where}: {key} needs {len(args)} items, got {value!r}")
-            return tuple(_coerce(a, v, where, f"{key}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
+            pairs = enumerate(zip(args, value, strict=True))
+            return tuple(_coerce(a, v, where, f"{key}[{i}]") for i, (a, v) in pairs)
         inner = args[0] if args else Any
         items = [_coerce(inner, v, where, f"{key}[{i}]") for i, v in enumerate(value)]
         return tuple(items) if origin is tuple or tp is tuple else items
     if origin in (dict, Mapping) or tp is dict:
         if not isinstance(value, Mapping):
             raise ConfigError(f"{where}: {key} must be a mapping, got {value!r}")
-        vt = args[1] if len(args) == 2 else Any
-        return {str(k): _coerce(vt, v, where, f"{key}.{k}") for k, v in value.items()}
+        kt, vt = args if len(args) == 2 else (str, Any)
+        return {
+            _coerce(kt, k, where, f"{key} key"): _coerce(vt, v, where, f"{key}.{k}") for k, v in value.items()
+        }
     return _coerce_scalar(tp, value, where, key)
 
 
@@ -143,19 +147,13 @@ def _coerce_scalar(tp: Any, value: Any, where: str, key: str) -> Any:
     if tp is bool:
         if isinstance(value, bool):
             return value
+        if isinstance(value, int) and value in (0, 1):  # `progress=0` on the command line reads as int
+            return bool(value)
         if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
             return value.lower() in ("true", "yes", "1")
         raise ConfigError(f"{where}: {key} must be true or false, got {value!r}")
     if tp is int:
-        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-            raise ConfigError(f"{where}: {key} must be an integer, got {value!r}")
-        try:
-            as_float = float(value)
-        except ValueError as err:
-            raise ConfigError(f"{where}: {key} must be an integer, got {value!r}") from err
-        if as_float != int(as_float):
-            raise ConfigError(f"{where}: {key} must be an integer, got {value!r}")
-        return int(as_float)
+        return _coerce_int(value, where, key)
     if tp is float:
         if isinstance(value, bool):
             raise ConfigError(f"{where}: {key} must be a number, got {value!r}")
@@ -168,6 +166,24 @@ def _coerce_scalar(tp: Any, value: Any, where: str, key: str) -> Any:
             raise ConfigError(f"{where}: {key} must be a string, got {value!r}")
         return "" if value is None else str(value)
     return value
+
+
+def _coerce_int(value: Any, where: str, key: str) -> int:
+    """Integers, integral floats and strings of either (`1e6`, `"512"`); exact for big ints."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ConfigError(f"{where}: {key} must be an integer, got {value!r}")
+    if isinstance(value, int):
+        return value  # not through float: 2**53 + 1 would silently lose its last bit
+    if isinstance(value, str):
+        with contextlib.suppress(ValueError):
+            return int(value)  # "512"
+    try:
+        as_float = float(value)  # 1e6, "1e6", 512.0 (YAML 1.1 reads 1e6 as a string)
+        if as_float == int(as_float):
+            return int(as_float)
+    except (ValueError, OverflowError):  # "abc", inf, nan
+        pass
+    raise ConfigError(f"{where}: {key} must be an integer, got {value!r}")
 
 
 def config_to_dict(cfg: Any) -> dict[str, Any]:

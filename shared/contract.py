@@ -109,8 +109,9 @@ def check_compatible(manifest: Any, want: Expectation) -> None:
     shapes = manifest.resolutions[res].shapes
     if tuple(shapes.latent) != tuple(want.latent):
         raise ContractError(
-            f"dataset latents at {res} px are {list(shapes.latent)} but the model expects {list(want.latent)}; "
-            "the U-Net's in_channels / sample size must match the VAE used by encode (check `preset`)"
+            f"dataset latents at {res} px are {list(shapes.latent)} but the model expects "
+            f"{list(want.latent)}; the U-Net's in_channels / sample size must match the VAE used by encode "
+            "(check `preset`)"
         )
     if tuple(shapes.text) != tuple(want.text):
         raise ContractError(

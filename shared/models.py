@@ -28,6 +28,8 @@ if TYPE_CHECKING:
     from transformers import CLIPTextModel, CLIPTokenizer
 
 TextBackend = Literal["transformers", "open_clip"]
+# CLIP's BPE keeps the first 49152 - 256 - 2 merges of its vocab file (as OpenCLIP's SimpleTokenizer does).
+CLIP_BPE_MERGES = 49152 - 256 - 2
 
 
 def weights_fingerprint(module: torch.nn.Module) -> str:
@@ -83,8 +85,9 @@ def clip_tokenizer_dir() -> Path:
     """
     import open_clip.tokenizer as oct
 
-    lines = gzip.open(oct.default_bpe()).read().decode("utf-8").split("\n")
-    merges = lines[1 : 49152 - 256 - 2 + 1]
+    with gzip.open(oct.default_bpe()) as handle:
+        lines = handle.read().decode("utf-8").split("\n")
+    merges = lines[1 : CLIP_BPE_MERGES + 1]
     byte_vocab = list(oct.bytes_to_unicode().values())
     vocab = byte_vocab + [v + "</w>" for v in byte_vocab] + ["".join(m.split()) for m in merges]
     vocab += ["<|startoftext|>", "<|endoftext|>"]
@@ -205,7 +208,9 @@ def build_open_clip_tower(preset: Preset, checkpoint: str | None = None) -> torc
         picked = {k: v for k, v in picked.items() if k in tower_keys}
         missing = tower_keys - set(picked) - {"attn_mask"}
         if missing:
-            raise ValueError(f"{checkpoint} is not an OpenCLIP checkpoint for this tower; missing {sorted(missing)[:5]}")
+            raise ValueError(
+                f"{checkpoint} is not an OpenCLIP checkpoint for this tower; missing {sorted(missing)[:5]}"
+            )
         tower.load_state_dict(picked, strict=False)
     return tower
 
@@ -227,7 +232,11 @@ def openclip_to_transformers(tower: torch.nn.Module, preset: Preset) -> CLIPText
         projection_dim=text["width"],
         pad_token_id=1,
     )
-    model = CLIPTextModel(config)
+    ctx = _seeded(preset.seed)  # its random init is overwritten below; don't advance the caller's RNG
+    try:
+        model = CLIPTextModel(config)
+    finally:
+        ctx.__exit__(None, None, None)
     src = tower.state_dict()
     state = {
         "text_model.embeddings.token_embedding.weight": src["token_embedding.weight"],
@@ -241,6 +250,7 @@ def openclip_to_transformers(tower: torch.nn.Module, preset: Preset) -> CLIPText
             ("q_proj", "k_proj", "v_proj"),
             src[s + "attn.in_proj_weight"].chunk(3),
             src[s + "attn.in_proj_bias"].chunk(3),
+            strict=True,
         ):
             state[f"{d}self_attn.{proj}.weight"], state[f"{d}self_attn.{proj}.bias"] = w, b
         pairs = {
@@ -271,8 +281,8 @@ def build_text_encoder(
     if backend == "open_clip":
         if preset.pretrained and not open_clip_checkpoint:
             raise ValueError(
-                f"encoder.text_backend=open_clip with preset {preset.name} needs encoder.open_clip_checkpoint "
-                "(e.g. the ViT-H-14 laion2b_s32b_b79k open_clip_pytorch_model.bin)"
+                f"encoder.text_backend=open_clip with preset {preset.name} needs "
+                "encoder.open_clip_checkpoint (e.g. ViT-H-14 laion2b_s32b_b79k's open_clip_pytorch_model.bin)"
             )
         tower = build_open_clip_tower(preset, open_clip_checkpoint)
         return OpenClipTextEncoder(tower, preset.text_length)

@@ -7,6 +7,7 @@ Local writes are atomic (temp file + rename); an S3 PUT is atomic by itself.
 
 from __future__ import annotations
 
+import errno
 import fnmatch
 import functools
 import json
@@ -66,7 +67,10 @@ def _client(endpoint: str | None) -> Any:
     import boto3
     from botocore.config import Config
 
-    return boto3.client("s3", endpoint_url=endpoint, config=Config(retries={"max_attempts": 8}))
+    # A fresh session, not boto3's default one: that caches the credentials it first resolved, so a
+    # changed AWS_ACCESS_KEY_ID would be ignored even after `_client.cache_clear()`.
+    session = boto3.session.Session()
+    return session.client("s3", endpoint_url=endpoint, config=Config(retries={"max_attempts": 8}))
 
 
 def s3_client() -> Any:
@@ -118,6 +122,7 @@ def write_bytes(uri: str, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, _new_file_mode())  # mkstemp makes 0600; others sharing the output must read it
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
             handle.flush()
@@ -126,6 +131,14 @@ def write_bytes(uri: str, data: bytes) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+@functools.lru_cache(maxsize=1)
+def _new_file_mode() -> int:
+    """The mode `open()` would give a new file under the process umask (read once: umask is process-wide)."""
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return 0o666 & ~umask
 
 
 def write_json(uri: str, obj: Any) -> None:
@@ -201,7 +214,10 @@ def stat(uri: str) -> FileInfo:
 def open_read(uri: str) -> IO[bytes]:
     """A binary stream (S3: streamed, not buffered whole in memory)."""
     if not is_s3(uri):
-        return open(uri, "rb")  # noqa: SIM115 - the caller closes it
+        try:
+            return open(uri, "rb")  # the caller closes it
+        except FileNotFoundError as err:
+            raise FileNotFoundError(f"{uri} does not exist") from err
     bucket, key = split_s3(uri)
     try:
         return s3_client().get_object(Bucket=bucket, Key=key)["Body"]
@@ -239,7 +255,12 @@ def upload_dir(local_dir: str | Path, uri: str) -> None:
         target.parent.mkdir(parents=True, exist_ok=True)
         if target.exists():  # a leftover from an interrupted run that was never published
             shutil.rmtree(target)
-        os.replace(local_dir, target)
+        try:
+            os.replace(local_dir, target)
+        except OSError as err:
+            if err.errno != errno.EXDEV:
+                raise
+            _copy_then_rename(local_dir, target)  # a temp dir on another filesystem (e.g. tmpfs /tmp)
         return
     bucket, key = split_s3(uri)
     for path in sorted(p for p in local_dir.rglob("*") if p.is_file()):
@@ -248,6 +269,18 @@ def upload_dir(local_dir: str | Path, uri: str) -> None:
             s3_client().upload_file(str(path), bucket, dest)
         except Exception as err:
             raise _s3_error(err, f"{S3_SCHEME}{bucket}/{dest}") from err
+
+
+def _copy_then_rename(local_dir: Path, target: Path) -> None:
+    """Cross-filesystem publish: copy next to `target`, rename into place, then drop the source."""
+    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp"))
+    try:
+        shutil.copytree(local_dir, staging, dirs_exist_ok=True)
+        os.replace(staging, target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    shutil.rmtree(local_dir, ignore_errors=True)
 
 
 def download_dir(uri: str, local_dir: str | Path) -> Path:
@@ -270,7 +303,9 @@ def expand_braces(pattern: str) -> list[str]:
     if not match:
         return [pattern]
     lo, hi = match.group(1), match.group(2)
-    width = len(lo) if lo.startswith("0") and len(lo) > 1 else 0
+    # Like bash: a zero-padded end (`{00000..41455}`, `{1..010}`) pads every name to the longer end's width.
+    padded = any(end.startswith("0") and len(end) > 1 for end in (lo, hi))
+    width = max(len(lo), len(hi)) if padded else 0
     if int(hi) < int(lo):
         raise StorageError(f"brace range {match.group(0)} in {pattern!r} runs backwards")
     head, tail = pattern[: match.start()], pattern[match.end() :]
@@ -284,16 +319,24 @@ def expand_pattern(pattern: str) -> list[str]:
     """Brace ranges and shell globs (`*`, `?`, `[...]`) over local paths or S3 keys, sorted.
 
     A brace range names files that must exist; a glob matches what exists. Missing brace-range members
-    are reported by the caller when opened, so one missing shard does not hide the others.
+    are reported by the caller when opened, so one missing shard does not hide the others. As in a shell,
+    wildcards stay within one path segment: `laion/*.tar` does not match `laion/old/x.tar`.
     """
     out: list[str] = []
     for item in expand_braces(pattern):
         if not _GLOB_CHARS.search(item):
             out.append(item)
             continue
+        if not is_s3(item):
+            item = os.path.normpath(item)  # list_files names local files as pathlib does: no `./`, no `//`
         root = _glob_root(item)
-        out.extend(info.uri for info in list_files(root) if fnmatch.fnmatchcase(info.uri, item))
+        out.extend(info.uri for info in list_files(root) if _glob_match(info.uri, item))
     return sorted(dict.fromkeys(out))
+
+
+def _glob_match(uri: str, pattern: str) -> bool:
+    """fnmatch lets `*` cross `/`; equal segment counts keep every wildcard inside one segment."""
+    return uri.count("/") == pattern.count("/") and fnmatch.fnmatchcase(uri, pattern)
 
 
 def _glob_root(pattern: str) -> str:

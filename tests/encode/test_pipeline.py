@@ -1,0 +1,264 @@
+"""The encode job end to end on the tiny preset: real sample data in, real MDS out, read back with streaming.
+
+Most tests call the library (`run_rank` + `publish`) with one shared set of tiny encoders, which counts
+every caption and image that went through a model: that is how "only X was recomputed" is verified.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from encode.config import EncodeConfig
+from encode.encoders import Encoders, load_encoders
+from encode.finalize import NotFinishedError, PublishResult, collect_garbage, publish
+from encode.pipeline import RankInfo, RankSummary, run_rank
+from encode.reuse import iter_mds_rows
+from encode.sample_data import build_hostile_webdataset, build_parquet, build_webdataset
+from shared import contract, storage
+from shared.config import load_config
+from shared.manifest import Layout, read_manifest
+
+SHARDS, PER_SHARD = 3, 24
+
+
+def make_cfg(source: str | Path, output: str | Path, *overrides: str) -> EncodeConfig:
+    base = [f"source.uri={source}", f"output.uri={output}", "workers=1", "progress=false"]
+    return load_config(EncodeConfig, "sample", [*base, *overrides], kind="datasets")
+
+
+@pytest.fixture(scope="module")
+def encoders() -> Encoders:
+    return load_encoders(make_cfg("unused", "unused"))
+
+
+@pytest.fixture(scope="module")
+def wds(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("wds")
+    build_webdataset(out, shards=SHARDS, per_shard=PER_SHARD, seed=3)
+    return out
+
+
+def encode(cfg: EncodeConfig, encoders: Encoders, ranks: int = 1) -> tuple[list[RankSummary], PublishResult]:
+    encoders.texts_encoded = encoders.images_encoded = 0
+    summaries = [run_rank(cfg, RankInfo(rank, ranks), encoders) for rank in range(ranks)]
+    return summaries, publish(cfg, encoders)
+
+
+def rows_by_key(root: str | Path, resolution: int, version: str | None = None) -> dict[str, dict]:
+    """Every row of one resolution of a published version, read through its partition folders."""
+    manifest = read_manifest(str(root), version)
+    layout = Layout(str(root))
+    rows: dict[str, dict] = {}
+    for part in manifest.partitions:
+        dirname = part["dirs"].get(str(resolution))
+        if not dirname:
+            continue
+        for row in iter_mds_rows(layout.partition_output(resolution, dirname)):
+            assert row[contract.KEY] not in rows, f"duplicate key {row[contract.KEY]}"
+            rows[row[contract.KEY]] = row
+    return rows
+
+
+def test_webdataset_end_to_end(wds: Path, tmp_path: Path, encoders: Encoders) -> None:
+    cfg = make_cfg(wds, tmp_path / "out")
+    (summary,), result = encode(cfg, encoders)
+    manifest = result.manifest
+    assert result.new_version and summary.partitions_total == SHARDS
+    assert manifest.samples_read == SHARDS * PER_SHARD
+    assert manifest.rejected, "the sample data holds samples the default filters drop"
+    kept = manifest.resolutions[64].num_samples
+    assert kept + sum(manifest.rejected.values()) == manifest.samples_read
+    for res, info in manifest.resolutions.items():
+        rows = rows_by_key(tmp_path / "out", res)
+        assert len(rows) == info.num_samples > 0
+        row = next(iter(rows.values()))
+        assert row[contract.LATENT_MEAN].shape == encoders.preset.latent_shape(res)
+        assert row[contract.LATENT_MEAN].dtype == np.float16
+        assert row[contract.TEXT_EMBEDDING].shape == encoders.preset.text_shape()
+    # Images below 128 px are absent at 128 (never upscaled), present at 64.
+    assert manifest.resolutions[128].num_samples + manifest.resolutions[128].smaller_than_resolution == kept
+    assert manifest.scale_factor == encoders.vae.config.scaling_factor
+    assert manifest.empty_caption_embedding.shape == encoders.preset.text_shape()
+    assert manifest.fingerprints["encoders"]["vae"] == encoders.ids.vae
+    assert storage.exists(str(tmp_path / "out" / "metrics.json"))
+
+
+def test_merged_index_streams_with_streaming(wds: Path, tmp_path: Path, encoders: Encoders) -> None:
+    from streaming import StreamingDataset
+
+    cfg = make_cfg(wds, tmp_path / "out")
+    _, result = encode(cfg, encoders)
+    layout = Layout(str(tmp_path / "out"))
+    dataset = StreamingDataset(remote=layout.stream_root(64), local=str(tmp_path / "cache"), shuffle=False)
+    keys = {dataset[i][contract.KEY] for i in range(len(dataset))}
+    assert len(keys) == len(dataset) == result.manifest.resolutions[64].num_samples
+    assert keys == set(rows_by_key(tmp_path / "out", 64))
+
+
+def test_rerun_is_up_to_date_and_encodes_nothing(wds: Path, tmp_path: Path, encoders: Encoders) -> None:
+    cfg = make_cfg(wds, tmp_path / "out")
+    _, first = encode(cfg, encoders)
+    (summary,), second = encode(cfg, encoders)
+    assert (encoders.texts_encoded, encoders.images_encoded) == (0, 0)
+    assert summary.partitions_done_before == SHARDS and not summary.markers
+    assert not second.new_version and second.manifest.version == first.manifest.version
+
+
+def test_caption_change_recomputes_only_text(wds: Path, tmp_path: Path, encoders: Encoders) -> None:
+    out = tmp_path / "out"
+    _, before = encode(make_cfg(wds, out), encoders)
+    _, after = encode(make_cfg(wds, out, "caption.max_chars=12"), encoders)
+    assert encoders.images_encoded == 0, "latents must be reused when only caption logic changed"
+    assert encoders.texts_encoded == after.manifest.resolutions[64].num_samples
+    old, new = rows_by_key(out, 128, before.manifest.version), rows_by_key(out, 128)
+    assert old.keys() == new.keys()
+    for key in old:
+        assert old[key][contract.LATENT_MEAN].tobytes() == new[key][contract.LATENT_MEAN].tobytes()
+        assert old[key][contract.LATENT_LOGVAR].tobytes() == new[key][contract.LATENT_LOGVAR].tobytes()
+    assert any(
+        old[k][contract.TEXT_EMBEDDING].tobytes() != new[k][contract.TEXT_EMBEDDING].tobytes() for k in old
+    )
+
+
+def test_image_change_recomputes_only_latents(wds: Path, tmp_path: Path, encoders: Encoders) -> None:
+    out = tmp_path / "out"
+    _, before = encode(make_cfg(wds, out), encoders)
+    _, after = encode(make_cfg(wds, out, "transform.resample=bilinear"), encoders)
+    assert encoders.texts_encoded == 0, "text embeddings must be reused when only image logic changed"
+    rows = sum(info.num_samples for info in after.manifest.resolutions.values())
+    assert encoders.images_encoded == rows
+    old, new = rows_by_key(out, 64, before.manifest.version), rows_by_key(out, 64)
+    assert old.keys() == new.keys()
+    for key in old:
+        assert old[key][contract.TEXT_EMBEDDING].tobytes() == new[key][contract.TEXT_EMBEDDING].tobytes()
+
+
+def test_new_resolution_encodes_only_that_resolution(wds: Path, tmp_path: Path, encoders: Encoders) -> None:
+    out = tmp_path / "out"
+    encode(make_cfg(wds, out, "transform.resolutions=[64]"), encoders)
+    _, after = encode(make_cfg(wds, out, "transform.resolutions=[64,128]"), encoders)
+    assert encoders.texts_encoded == 0
+    assert encoders.images_encoded == after.manifest.resolutions[128].num_samples
+
+
+def test_filter_change_encodes_only_newly_admitted(wds: Path, tmp_path: Path, encoders: Encoders) -> None:
+    out = tmp_path / "out"
+    _, strict = encode(make_cfg(wds, out, "filter.max_punsafe=0.01", "filter.max_pwatermark=0.2"), encoders)
+    _, loose = encode(make_cfg(wds, out), encoders)
+    added = {
+        res: loose.manifest.resolutions[res].num_samples - strict.manifest.resolutions[res].num_samples
+        for res in (64, 128)
+    }
+    assert added[64] > 0
+    assert encoders.images_encoded == sum(added.values())
+    assert encoders.texts_encoded == added[64]
+    # Tightening again removes rows without encoding anything.
+    _, again = encode(make_cfg(wds, out, "filter.max_punsafe=0.01", "filter.max_pwatermark=0.2"), encoders)
+    assert (encoders.texts_encoded, encoders.images_encoded) == (0, 0)
+    assert again.manifest.resolutions[64].num_samples == strict.manifest.resolutions[64].num_samples
+
+
+def test_old_version_stays_readable_until_gc(wds: Path, tmp_path: Path, encoders: Encoders) -> None:
+    out = tmp_path / "out"
+    _, v1 = encode(make_cfg(wds, out), encoders)
+    _, v2 = encode(make_cfg(wds, out, "transform.resample=bilinear"), encoders)
+    assert v1.manifest.version != v2.manifest.version
+    assert len(rows_by_key(out, 64, v1.manifest.version)) == v1.manifest.resolutions[64].num_samples
+    report = collect_garbage(Layout(str(out)), keep=1)
+    assert report.deleted_versions == [v1.manifest.version]
+    assert report.deleted_partition_dirs
+    with pytest.raises(FileNotFoundError):
+        read_manifest(str(out), v1.manifest.version)
+    assert len(rows_by_key(out, 64)) == v2.manifest.resolutions[64].num_samples
+    # Reuse still works after gc: the current outputs are the source now.
+    encode(make_cfg(wds, out, "transform.resample=bilinear", "caption.max_chars=12"), encoders)
+    assert encoders.images_encoded == 0
+
+
+def test_two_ranks_make_the_same_dataset_as_one(wds: Path, tmp_path: Path, encoders: Encoders) -> None:
+    encode(make_cfg(wds, tmp_path / "one"), encoders, ranks=1)
+    encode(make_cfg(wds, tmp_path / "two"), encoders, ranks=2)
+    for res in (64, 128):
+        one, two = rows_by_key(tmp_path / "one", res), rows_by_key(tmp_path / "two", res)
+        assert one.keys() == two.keys()
+        for key, row in one.items():
+            for column in (contract.LATENT_MEAN, contract.LATENT_LOGVAR, contract.TEXT_EMBEDDING):
+                assert row[column].tobytes() == two[key][column].tobytes()
+
+
+def test_rerun_with_another_rank_count_reuses_finished_partitions(
+    wds: Path, tmp_path: Path, encoders: Encoders
+) -> None:
+    cfg = make_cfg(wds, tmp_path / "out")
+    encoders.texts_encoded = encoders.images_encoded = 0
+    run_rank(cfg, RankInfo(0, 2), encoders)  # rank 1 of 2 never ran: its partitions are missing
+    with pytest.raises(NotFinishedError, match="not encoded"):
+        publish(cfg, encoders)
+    done_before = encoders.images_encoded
+    (summary,), result = encode(cfg, encoders, ranks=1)
+    assert summary.partitions_done_before == 2  # partitions 0 and 2 of 3 came from the 2-rank run
+    assert 0 < encoders.images_encoded < done_before + result.manifest.resolutions[64].num_samples
+
+
+def test_hostile_shard_keeps_every_good_sample(tmp_path: Path, encoders: Encoders) -> None:
+    expected = build_hostile_webdataset(tmp_path / "in" / "hostile.tar")
+    cfg = make_cfg(tmp_path / "in", tmp_path / "out", "filter.min_size=256", "transform.resolutions=[64]")
+    (summary,), result = encode(cfg, encoders)
+    assert not summary.failed
+    manifest = result.manifest
+    assert manifest.resolutions[64].num_samples == expected.pop("good")
+    assert manifest.rejected == expected
+
+
+def test_parquet_source(tmp_path: Path, encoders: Encoders) -> None:
+    build_parquet(tmp_path / "in", shards=2, per_shard=20)
+    (summary,), result = encode(
+        make_cfg(tmp_path / "in", tmp_path / "out", "source.format=parquet"), encoders
+    )
+    assert summary.partitions_total == 2
+    assert result.manifest.samples_read == 40
+    assert result.manifest.resolutions[64].num_samples > 0
+
+
+def test_failed_partition_is_retried_not_marked_done(wds: Path, tmp_path: Path, encoders: Encoders) -> None:
+    src = tmp_path / "in"
+    shutil.copytree(wds, src)
+    cfg = make_cfg(src, tmp_path / "out")
+    victim = sorted(src.glob("*.tar"))[1]
+    os.chmod(victim, 0)  # unreadable: not the data's fault, so the partition must fail and be retried
+    if os.access(victim, os.R_OK):
+        pytest.skip("running as a user who can read mode-000 files (root)")
+    (summary,) = [run_rank(cfg, RankInfo(0, 1), encoders)]
+    assert list(summary.failed) == ["00001-tar"]
+    os.chmod(victim, 0o644)
+    (summary,), result = encode(cfg, encoders)
+    assert [m.partition for m in summary.markers] == ["00001-tar"]
+    assert result.manifest.samples_read == SHARDS * PER_SHARD
+
+
+@pytest.mark.s3
+def test_s3_source_and_output(wds: Path, s3_prefix: str, encoders: Encoders) -> None:
+    storage.upload_dir(_copy(wds), storage.join(s3_prefix, "in"))
+    out = storage.join(s3_prefix, "out")
+    cfg = make_cfg(storage.join(s3_prefix, "in"), out)
+    _, first = encode(cfg, encoders)
+    assert first.manifest.samples_read == SHARDS * PER_SHARD
+    rows = first.manifest.resolutions[64].num_samples
+    _, again = encode(cfg, encoders)
+    assert not again.new_version and encoders.images_encoded == 0
+    _, changed = encode(make_cfg(storage.join(s3_prefix, "in"), out, "caption.max_chars=12"), encoders)
+    assert encoders.images_encoded == 0 and encoders.texts_encoded == rows
+    assert changed.manifest.resolutions[64].num_samples == rows
+
+
+def _copy(folder: Path) -> Path:
+    """upload_dir moves a local folder into place only for local targets; for S3 it copies, but be safe."""
+    target = folder.parent / f"{folder.name}-upload"
+    if not target.exists():
+        shutil.copytree(folder, target)
+    return target
