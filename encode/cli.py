@@ -60,14 +60,16 @@ def run(
     from encode.finalize import publish
     from encode.pipeline import RankInfo, run_rank
     from encode.report import print_publish, print_rank
+    from encode.sources import list_partitions
 
     setup_logging()
     cfg = load(dataset, overrides)
     rank = RankInfo.from_env()
     start = time.perf_counter()
     with user_errors():
+        partitions = list_partitions(cfg.source)  # a wrong path fails here, before the models load
         encoders = load_encoders(cfg)
-        summary = run_rank(cfg, rank, encoders)
+        summary = run_rank(cfg, rank, encoders, partitions)
     print_rank(summary)
     joined = wait_for_all_ranks(rank.world_size)
     if summary.failed:

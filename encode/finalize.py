@@ -8,6 +8,7 @@ version keeps working while a new one is encoded and published.
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections import Counter
 from collections.abc import Sequence
@@ -66,22 +67,20 @@ def require_all_done(plans: Sequence[PartitionPlan]) -> list[DoneMarker]:
     return load_markers([p.done_uri for p in plans if p.done_uri])
 
 
-def merged_index(layout: Layout, markers: Sequence[DoneMarker], resolution: int) -> dict[str, Any]:
-    """One MDS index over the partitions' own indexes (as streaming's merge_index does), in partition order.
+def merged_index(markers: Sequence[DoneMarker], resolution: int) -> dict[str, Any]:
+    """One MDS index over every partition's shards (what streaming's `merge_index` makes), in partition order.
 
-    Written here rather than with `merge_index` because each version's index is kept under versions/<vid>/
-    while its shards stay under the resolution's stream root; basenames are relative to that root.
+    Built from the shard entries each done-marker keeps rather than with `merge_index`, which would read
+    every partition's index.json again, and because each version's index lives under versions/<vid>/ while
+    its shards stay under the resolution's stream root: basenames are relative to that root.
     """
     shards = []
     for marker in markers:
-        dirname = marker.outputs.get(resolution, {}).get("dir")
-        if not dirname:
-            continue
-        index = storage.read_json(storage.join(layout.partition_output(resolution, dirname), INDEX_NAME))
-        for shard in index["shards"]:
+        out = marker.outputs.get(resolution, {})
+        for shard in copy.deepcopy(out.get("shards", [])):
             for part in ("raw_data", "zip_data", "raw_meta", "zip_meta"):
                 if shard.get(part):
-                    shard[part]["basename"] = f"{dirname}/{shard[part]['basename']}"
+                    shard[part]["basename"] = f"{out['dir']}/{shard[part]['basename']}"
             shards.append(shard)
     return {"version": 2, "shards": shards}
 
@@ -157,7 +156,7 @@ def publish(cfg: EncodeConfig, encoders: Encoders) -> PublishResult:
     vid = f"{datetime.now(UTC).strftime('%Y%m%dT%H%M%S%fZ')}-{fp[:8]}"
     manifest = build_manifest(cfg, encoders, stages, markers, vid)
     for res in cfg.transform.resolutions:
-        index = merged_index(layout, markers, res)
+        index = merged_index(markers, res)
         storage.write_json(layout.version_index(vid, res), index)
         storage.write_json(layout.current_index(res), index)
     storage.write_json(layout.version_manifest(vid), manifest.to_json())

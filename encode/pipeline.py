@@ -27,8 +27,8 @@ from encode.plan import (
     stage_fingerprints,
 )
 from encode.prepare import PartitionEnd, PreparedSample, PreparedStream, keep_as_is
-from encode.sources import list_partitions
-from encode.writer import PartitionWriter
+from encode.sources import Partition, list_partitions
+from encode.writer import PartitionWriter, remove_stale_staging
 from shared.manifest import Layout
 
 log = logging.getLogger("encode")
@@ -186,19 +186,25 @@ class Progress:
         self.bar.close()
 
 
-def run_rank(cfg: EncodeConfig, rank: RankInfo, encoders: Encoders | None = None) -> RankSummary:
+def run_rank(
+    cfg: EncodeConfig,
+    rank: RankInfo,
+    encoders: Encoders | None = None,
+    partitions: list[Partition] | None = None,
+) -> RankSummary:
     """Encode this rank's share of the unfinished partitions. Safe to rerun at any time."""
     start = time.perf_counter()
+    partitions = partitions if partitions is not None else list_partitions(cfg.source)
     encoders = encoders or load_encoders(cfg)
     layout = Layout(cfg.output.uri)
     stages = stage_fingerprints(cfg, encoders.ids)
-    partitions = list_partitions(cfg.source)
     mine = plan_partitions(
         assign_to_rank(partitions, rank.rank, rank.world_size), stages, layout, list_markers(layout)
     )
     todo = [p for p in mine if not p.is_done]
     summary = RankSummary(rank.rank, rank.world_size, len(partitions), len(mine), len(mine) - len(todo))
     if todo:
+        remove_stale_staging(layout, [p.partition.id for p in todo])
         log.info(
             "rank %d/%d: %d of its %d partitions to encode", rank.rank, rank.world_size, len(todo), len(mine)
         )

@@ -8,6 +8,7 @@ before (3) leaves no marker, so the partition is redone from scratch and its fol
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -23,7 +24,7 @@ from encode.config import EncodeConfig
 from encode.plan import DoneMarker, PartitionPlan, StageFingerprints
 from encode.prepare import PartitionEnd
 from shared import contract, storage
-from shared.manifest import Layout
+from shared.manifest import INDEX_NAME, Layout
 
 
 def staging_root(layout: Layout) -> Path:
@@ -31,6 +32,17 @@ def staging_root(layout: Layout) -> Path:
     if storage.is_s3(layout.root):
         return Path(tempfile.gettempdir()) / "sd-encode-staging"
     return Path(layout.root) / "_staging"
+
+
+def remove_stale_staging(layout: Layout, partition_ids: list[str]) -> None:
+    """Drop staging folders a killed run left for these partitions (each partition has one owner rank)."""
+    root = staging_root(layout)
+    if not root.exists():
+        return
+    owned = set(partition_ids)
+    for folder in root.iterdir():
+        if folder.name.rsplit("-", 1)[0] in owned:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 class PartitionWriter:
@@ -104,13 +116,16 @@ class PartitionWriter:
         return marker
 
     def _publish_resolution(self, res: int) -> dict[str, object]:
+        """Move one resolution's shards into place. The marker keeps their index entries, so publishing
+        a version never re-reads tens of thousands of partition indexes."""
         local = self.staging / str(res)
         if not self.rows[res]:
-            return {"dir": None, "num_samples": 0, "bytes": 0}
+            return {"dir": None, "num_samples": 0, "bytes": 0, "shards": []}
         size = sum(p.stat().st_size for p in local.iterdir() if p.is_file())
+        shards = json.loads((local / INDEX_NAME).read_text())["shards"]
         dirname = self.plan.outputs[res]
         storage.upload_dir(local, self.layout.partition_output(res, dirname))
-        return {"dir": dirname, "num_samples": self.rows[res], "bytes": size}
+        return {"dir": dirname, "num_samples": self.rows[res], "bytes": size, "shards": shards}
 
     def discard(self) -> None:
         if not self.finished:  # close the writers' threads and files before deleting what they wrote

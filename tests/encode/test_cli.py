@@ -1,0 +1,104 @@
+"""The real `python -m encode` entry point: kill -9 mid-run, then a rerun finishes the job exactly once."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from encode.encoders import load_encoders
+from encode.sample_data import build_webdataset
+from shared.manifest import Layout
+from tests.encode.test_pipeline import HIGH, LOW, SMALL, encode, make_cfg, rows_by_key
+
+SHARDS = 8
+START_TIMEOUT_S = 240  # importing torch + diffusers + streaming on a loaded 2-core box
+POLL_S = 0.02
+
+
+def encode_cmd(src: Path, out: Path, *extra: str) -> list[str]:
+    args = [
+        f"source.uri={src}",
+        f"output.uri={out}",
+        "progress=false",
+        "workers=1",
+        "encoder.batch_size=4",
+        *SMALL,
+    ]
+    return [sys.executable, "-m", "encode", "run", "sample", *args, *extra]
+
+
+def done_markers(out: Path) -> list[Path]:
+    return sorted(Path(Layout(str(out)).parts_dir()).glob("*/*.json"))
+
+
+def kill_after_first_partition(cmd: list[str], out: Path) -> int:
+    """Start the job, SIGKILL it the moment its first partition is published; return markers seen then."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not done_markers(out):
+        if proc.poll() is not None:
+            raise AssertionError(
+                f"encode exited early ({proc.returncode}): {proc.stderr.read().decode()[-2000:]}"
+            )
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError("encode published no partition in time")
+        time.sleep(POLL_S)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    return len(done_markers(out))
+
+
+@pytest.mark.slow
+def test_kill_minus_9_then_rerun_gives_every_sample_exactly_once(tmp_path: Path) -> None:
+    src, out = tmp_path / "in", tmp_path / "out"
+    build_webdataset(src, shards=SHARDS, per_shard=16, seed=5)
+    finished_at_kill = kill_after_first_partition(encode_cmd(src, out), out)
+    assert finished_at_kill < SHARDS, "the job finished before it could be killed; give it more work"
+    assert not (out / "manifest.json").exists()
+
+    rerun = subprocess.run(encode_cmd(src, out), capture_output=True, text=True, check=False)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert f"({finished_at_kill} already done)" in rerun.stdout
+    assert not (out / "_staging").exists() or not any((out / "_staging").iterdir())
+
+    reference = tmp_path / "reference"
+    encoders = load_encoders(make_cfg(src, reference))
+    encode(make_cfg(src, reference, "encoder.batch_size=4"), encoders)
+    for res in (LOW, HIGH):
+        got, want = rows_by_key(out, res), rows_by_key(reference, res)
+        assert got.keys() == want.keys()
+        for key, row in want.items():
+            assert all(row[c].tobytes() == got[key][c].tobytes() for c in row if hasattr(row[c], "tobytes"))
+
+
+def test_user_errors_print_one_line_naming_the_fix(tmp_path: Path) -> None:
+    missing = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "encode",
+            "run",
+            "sample",
+            f"source.uri={tmp_path}/nope",
+            f"output.uri={tmp_path}/o",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert missing.returncode == 2
+    assert "does not exist" in missing.stderr and "Traceback" not in missing.stderr
+    unknown = subprocess.run(
+        [sys.executable, "-m", "encode", "run", "sample", "transform.resolutionz=[64]"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert unknown.returncode == 2 and "transform.resolutionz" in unknown.stderr
