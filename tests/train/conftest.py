@@ -1,0 +1,231 @@
+"""Train test fixtures: a small encode output written in the exact layout shared/manifest.py documents.
+
+`write_fake_dataset` stands in for the real encode job until it runs end to end: rows go through
+`streaming.MDSWriter` + `shared.contract.mds_columns/make_row`, partitions under `<root>/<res>/<part>/`, the
+merged index at `<root>/<res>/index.json` and `<root>/versions/<vid>/<res>/index.json`, manifests at
+`<root>/manifest.json` and `<root>/versions/<vid>/manifest.json`. Encoder fingerprints and the empty-caption
+embedding come from the real tiny encoders, so export's encoder check passes on this data.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from shared import storage
+from shared.contract import Shapes, make_row, mds_columns
+from shared.manifest import DatasetManifest, Layout, ResolutionInfo, fingerprint
+from shared.presets import get_preset
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+PYTHON = sys.executable
+
+
+@functools.lru_cache(maxsize=2)
+def encoder_facts(preset_name: str) -> tuple[dict[str, str], np.ndarray]:
+    """(fingerprints["encoders"], empty-caption embedding) of the preset's encoders, as encode writes them."""
+    from shared.models import build_text_encoder, build_vae, weights_fingerprint
+
+    preset = get_preset(preset_name)
+    text = build_text_encoder(preset, "transformers")
+    empty = text.encode([""])[0].numpy().astype(np.float16)
+    return {"vae": weights_fingerprint(build_vae(preset)), "text": text.fingerprint()}, empty
+
+
+def _write_partition(out_dir: str, shapes: Shapes, keys: range, rng: np.random.Generator) -> None:
+    from streaming import MDSWriter
+
+    with MDSWriter(out=out_dir, columns=mds_columns(shapes), size_limit=1 << 16) as writer:
+        for i in keys:
+            mean = rng.normal(0.0, 1.0, shapes.latent)
+            logvar = rng.uniform(-6.0, -2.0, shapes.latent)
+            text = rng.normal(0.0, 1.0, shapes.text)
+            writer.write(make_row(f"{i:06d}", f"caption {i}", mean, logvar, text))
+
+
+def _merged_index(stream_dir: Path, partitions: list[str]) -> dict[str, Any]:
+    shards = []
+    for part in partitions:
+        index = json.loads((stream_dir / part / "index.json").read_text())
+        for shard in index["shards"]:
+            for key in ("raw_data", "zip_data"):
+                if shard.get(key):
+                    shard[key]["basename"] = f"{part}/{shard[key]['basename']}"
+            shards.append(shard)
+    return {"version": 2, "shards": shards}
+
+
+def write_fake_dataset(
+    root: str | Path,
+    preset: str = "tiny",
+    resolution: int | tuple[int, ...] = 64,
+    n: int = 64,
+    version: str = "v1",
+    partitions: int = 2,
+    seed: int = 0,
+    latent_shape: tuple[int, int, int] | None = None,
+    text_shape: tuple[int, int] | None = None,
+    salt: str = "",
+) -> DatasetManifest:
+    """Write an encode output (local path or s3:// URI), `n` random rows per resolution; returns its manifest.
+
+    `latent_shape` / `text_shape` override the preset's shapes (contract-mismatch tests); `salt` changes the
+    dataset fingerprint without changing rows. Writing a second `version` into the same root adds a version.
+    """
+    root = str(root)
+    p = get_preset(preset)
+    resolutions = (resolution,) if isinstance(resolution, int) else tuple(resolution)
+    encoders, empty = encoder_facts(preset)
+    if text_shape is not None:
+        empty = np.zeros(text_shape, dtype=np.float16)
+    staging = Path(tempfile.mkdtemp(prefix="fake-ds-"))
+    infos = {}
+    for res in resolutions:
+        shapes = Shapes(latent_shape or p.latent_shape(res), text_shape or p.text_shape())
+        infos[res] = _write_resolution(staging, version, res, shapes, n, partitions, seed, salt)
+    dataset_fp = fingerprint(
+        {"n": n, "seed": seed, "res": list(resolutions), "salt": salt, "version": version}
+    )
+    manifest = DatasetManifest(
+        version=version,
+        created="2024-01-01T00:00:00Z",
+        preset=preset,
+        scale_factor=p.scale_factor,
+        resolutions=infos,
+        rejected={},
+        samples_read=n,
+        fingerprints={"dataset": dataset_fp, "encoders": encoders},
+        empty_caption_embedding=empty,
+        partitions=[],
+        config={"preset": preset, "encoder": {"pretrained": None, "text_backend": "transformers"}},
+    )
+    layout = Layout(".")
+    for rel in (layout.version_manifest(version), layout.manifest):
+        (staging / rel).parent.mkdir(parents=True, exist_ok=True)
+        (staging / rel).write_text(json.dumps(manifest.to_json()))
+    _publish(staging, root)
+    return manifest
+
+
+def _write_resolution(
+    staging: Path, version: str, res: int, shapes: Shapes, n: int, partitions: int, seed: int, salt: str
+) -> ResolutionInfo:
+    rng = np.random.default_rng(seed + res)
+    stream_dir = staging / str(res)
+    names = []
+    bounds = np.linspace(0, n, partitions + 1).astype(int)
+    for part in range(partitions):
+        name = f"part{part:05d}-{fingerprint([seed, res, part, salt])[:8]}"
+        _write_partition(str(stream_dir / name), shapes, range(bounds[part], bounds[part + 1]), rng)
+        names.append(name)
+    index = json.dumps(_merged_index(stream_dir, names))
+    for rel in (Path(str(res)) / "index.json", Path("versions") / version / str(res) / "index.json"):
+        (staging / rel).parent.mkdir(parents=True, exist_ok=True)
+        (staging / rel).write_text(index)
+    size = sum(f.stat().st_size for f in stream_dir.rglob("*.mds"))
+    return ResolutionInfo(n, shapes, size, 0, fingerprint([seed, res, n, salt]))
+
+
+def _publish(staging: Path, root: str) -> None:
+    """Copy the staged files into `root` (local or s3), the manifest last like encode does."""
+    files = sorted(p for p in staging.rglob("*") if p.is_file())
+    files.sort(key=lambda p: p.name == "manifest.json")
+    for path in files:
+        rel = path.relative_to(staging).as_posix()
+        target = storage.join(root, rel)
+        if storage.is_s3(root):
+            storage.write_bytes(target, path.read_bytes())
+        else:
+            Path(target).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(path, target)
+    shutil.rmtree(staging, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------------------------- fixtures
+@contextlib.contextmanager
+def single_threaded_torch() -> Iterator[None]:
+    """Tiny models run fastest on one thread; on a shared 2-core box, two OpenMP threads per process
+    contend and a 10 s run takes a minute. Restores the previous setting for the rest of the session."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread() -> Iterator[None]:
+    with single_threaded_torch():
+        yield
+
+
+@pytest.fixture(scope="session")
+def tiny_dataset(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A read-only tiny dataset shared by tests that never modify it (64 rows at 64 px, 2 partitions)."""
+    root = tmp_path_factory.mktemp("tiny-ds") / "data"
+    with single_threaded_torch():
+        write_fake_dataset(root)
+    return str(root)
+
+
+def tiny_overrides(data: str, save: str | Path, cache: str | Path, *extra: str) -> list[str]:
+    """Overrides that make jobs/train/tiny.yaml run on a test dataset in a few seconds."""
+    return [f"data.uri={data}", f"save_folder={save}", f"data.cache_dir={cache}", *extra]
+
+
+def tiny_config(data: str, save: str | Path, cache: str | Path, *extra: str) -> Any:
+    from shared.config import load_config
+    from train.config import TrainConfig
+
+    return load_config(TrainConfig, "tiny", tiny_overrides(data, save, cache, *extra), kind="train")
+
+
+def run_train_cli(args: list[str], **kwargs: Any) -> subprocess.Popen:
+    """Start `python -m train ...` in a subprocess (single-threaded torch: results match across processes)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen([PYTHON, "-m", "train", *args], cwd=REPO_ROOT, env=env, **kwargs)
+
+
+class TinyRun:
+    """A finished tiny training run: its config, save folder and (closed) Composer trainer."""
+
+    def __init__(self, cfg: Any, trainer: Any):
+        self.cfg = cfg
+        self.trainer = trainer
+        self.save = Path(cfg.save_folder)
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        from train.checkpoints import read_checkpoint
+
+        return read_checkpoint(self.save / "latest-rank0.pt")["state"]
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tiny_dataset: str, tmp_path_factory: pytest.TempPathFactory) -> TinyRun:
+    """12 batches of the tiny job (checkpoints and sample grids at 6 and 12); EMA smoothing 0.9 so the
+    average visibly differs from the training weights."""
+    from train.trainer import fit
+
+    base = tmp_path_factory.mktemp("tiny-run")
+    cfg = tiny_config(
+        tiny_dataset, base / "save", base / "cache",
+        "max_duration=12ba", "save_interval=6ba", "samples.interval=6ba", "ema.smoothing=0.9",
+        "log.tensorboard=true",
+    )  # fmt: skip
+    with single_threaded_torch():
+        return TinyRun(cfg, fit(cfg))

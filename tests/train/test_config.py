@@ -1,0 +1,124 @@
+"""Train config: every shipped YAML parses, overrides apply, bad combinations fail with the fix named."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from shared.config import JOBS_DIR, ConfigError, load_config
+from train.batching import BatchingError, derive_batching
+from train.config import TrainConfig
+
+TRAIN_JOBS = sorted((JOBS_DIR / "train").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", TRAIN_JOBS, ids=[p.stem for p in TRAIN_JOBS])
+def test_every_train_yaml_parses(path: Path) -> None:
+    cfg = load_config(TrainConfig, path)
+    assert cfg.save_folder and cfg.resolved_run_name()
+
+
+def test_the_three_required_jobs_exist() -> None:
+    assert {"tiny", "sd2-base-256", "sd2-base-512"} <= {p.stem for p in TRAIN_JOBS}
+
+
+def test_sd2_recipe_numbers() -> None:
+    phase1 = load_config(TrainConfig, "sd2-base-256", kind="train")
+    phase2 = load_config(TrainConfig, "sd2-base-512", kind="train")
+    for cfg in (phase1, phase2):
+        assert (cfg.optimizer.lr, cfg.optimizer.weight_decay, cfg.optimizer.warmup) == (1e-4, 0.01, "10000ba")
+        assert (cfg.global_batch_size, cfg.ema.smoothing, cfg.model.caption_dropout) == (2048, 0.9999, 0.1)
+        assert cfg.fsdp and cfg.fsdp_sharding_strategy == "SHARD_GRAD_OP" and cfg.precision == "auto"
+    assert (phase1.data.resolution, phase1.max_duration) == (256, "1126400000sp")
+    assert (phase2.data.resolution, phase2.max_duration) == (512, "1740800000sp")
+    assert phase2.load_weights_only and phase2.load_path
+    assert derive_batching(phase1.global_batch_size, 256, phase1.device_microbatch_size).grad_accum == 2
+
+
+def test_required_overrides_apply() -> None:
+    cfg = load_config(
+        TrainConfig,
+        "tiny",
+        ["data.uri=s3://b/ds", "save_folder=s3://b/run", "max_duration=10000sp"],
+        kind="train",
+    )
+    assert (cfg.data.uri, cfg.save_folder, cfg.max_duration) == ("s3://b/ds", "s3://b/run", "10000sp")
+    assert cfg.save_is_remote()
+
+
+def test_run_name_is_stable_and_follows_save_folder() -> None:
+    a = load_config(TrainConfig, "tiny", ["save_folder=/x/run"], kind="train").resolved_run_name()
+    b = load_config(TrainConfig, "tiny", ["save_folder=/x/run/"], kind="train").resolved_run_name()
+    c = load_config(TrainConfig, "tiny", ["save_folder=/x/other"], kind="train").resolved_run_name()
+    assert a == b != c
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("max_duration=20 batches", "Composer time string"),
+        ("save_interval=100sp", "units"),
+        ("model.zero_terminal_snr=true", "v_prediction"),
+        ("model.caption_dropout=1.5", "caption_dropout"),
+        ("ema.smoothing=1.0", "ema.smoothing"),
+        ("load_weights_only=true", "load_path"),
+        ("data.resolution=60", "multiple"),
+        ("save_folder=", "save_folder"),
+        ("optimizer.nesterov=true", "unknown key"),
+    ],
+)
+def test_bad_configs_name_the_fix(override: str, message: str) -> None:
+    with pytest.raises((ConfigError, ValueError), match=message):
+        load_config(TrainConfig, "tiny", [override], kind="train")
+
+
+def test_cpu_rejects_amp_and_fsdp() -> None:
+    with pytest.raises(ConfigError, match="fp32"):
+        load_config(TrainConfig, "tiny", ["device=cpu", "precision=amp_bf16"], kind="train")
+    with pytest.raises(ConfigError, match="GPU"):
+        load_config(TrainConfig, "tiny", ["device=cpu", "fsdp=true"], kind="train")
+
+
+def test_zero_terminal_snr_with_v_prediction_is_fine() -> None:
+    cfg = load_config(
+        TrainConfig,
+        "tiny",
+        ["model.zero_terminal_snr=true", "model.prediction_type=v_prediction"],
+        kind="train",
+    )
+    assert cfg.model.zero_terminal_snr
+
+
+def test_ema_update_interval_keeps_half_life() -> None:
+    cfg = load_config(TrainConfig, "tiny", ["ema.smoothing=0.9999", "ema.update_interval=10ba"], kind="train")
+    assert cfg.ema_smoothing_per_update() == pytest.approx(0.9999**10)
+
+
+@pytest.mark.parametrize(
+    ("global_batch", "world", "micro", "per_rank", "accum"),
+    [(2048, 256, 4, 8, 2), (2048, 8, 32, 256, 8), (8, 1, 4, 8, 2), (4, 4, 1, 1, 1)],
+)
+def test_derive_batching(global_batch: int, world: int, micro: int, per_rank: int, accum: int) -> None:
+    got = derive_batching(global_batch, world, micro)
+    assert (got.per_rank_batch, got.grad_accum, got.microbatch) == (per_rank, accum, micro)
+
+
+@pytest.mark.parametrize(("global_batch", "world", "micro"), [(2048, 3, 4), (2048, 256, 3), (0, 1, 1)])
+def test_derive_batching_refuses_uneven_splits(global_batch: int, world: int, micro: int) -> None:
+    with pytest.raises(BatchingError):
+        derive_batching(global_batch, world, micro)
+
+
+def test_cpu_machine_resolves_auto_to_cpu_fp32() -> None:
+    import torch
+
+    from train.trainer import resolve_device, resolve_precision
+
+    if torch.cuda.is_available():
+        pytest.skip("checks the CPU-only resolution")
+    cfg = load_config(TrainConfig, "sd2-base-256", kind="train")  # fsdp: true, precision: auto
+    with pytest.raises(ConfigError, match="fsdp=false"):
+        resolve_device(cfg)
+    cpu = load_config(TrainConfig, "tiny", ["precision=auto"], kind="train")
+    assert resolve_precision(cpu, resolve_device(cpu)) == "fp32"

@@ -1,0 +1,505 @@
+"""Launch plans for train: layout and batch derivation, rendered specs, submission, errors, real torchrun.
+
+Cluster binaries that cannot exist here (sbatch, kubectl, srun, scontrol) are small shell scripts on PATH
+that record what they receive; torchrun and torch.distributed (gloo) are real.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import textwrap
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import typer
+import yaml
+from typer.testing import CliRunner
+
+from train import launch
+from train.batching import BatchingError
+from train.launch import app, launch_command, plan_train
+from train.launch_plan import (
+    LaunchError,
+    LaunchOptions,
+    LaunchPlan,
+    Topology,
+    derive_topology,
+    job_name,
+    local_torchrun,
+)
+from train.launch_specs import (
+    ENV_FILE,
+    SLURM_NODES,
+    TEMPLATES_DIR,
+    SbatchHeader,
+    SlurmSite,
+    load_env_vars,
+    node_resources,
+    render_env_exports,
+    render_sbatch,
+    render_template,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+PYTHON = sys.executable
+RUNNER = CliRunner()
+PROBE_TIMEOUT_S = 120
+# A probe "job": joins the process group when torchrun set one up, checks an all_reduce, records its env.
+PROBE_SOURCE = """
+import json, os, sys
+out = os.environ["PROBE_OUT"]
+record = {k: os.environ.get(k) for k in
+          ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "MASTER_ADDR")}
+record["argv"] = sys.argv[1:]
+if os.environ.get("MASTER_ADDR"):
+    import torch, torch.distributed as dist
+    dist.init_process_group("gloo")
+    total = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(total)
+    record["all_reduce"] = total.item()
+    dist.destroy_process_group()
+with open(os.path.join(out, f"rank{record['RANK']}.json"), "w") as handle:
+    json.dump(record, handle)
+"""
+
+
+# ------------------------------------------------------------------------------------------ fixtures
+@pytest.fixture
+def train_yaml(tmp_path: Path) -> Path:
+    """A train config with the SD2 batch (2048 global, microbatch 4)."""
+    path = tmp_path / "sd2-test.yaml"
+    config = {
+        "name": "sd2-test",
+        "global_batch_size": 2048,
+        "device_microbatch_size": 4,
+        "save_folder": "s3://bucket/ckpt",
+        "data": {"uri": "s3://bucket/laion"},
+    }
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+@pytest.fixture
+def fake_bin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[[str, str], Path]:
+    """Make a fake cluster binary on PATH that saves each call's args and stdin and prints `reply`."""
+    bin_dir, calls = tmp_path / "bin", tmp_path / "calls"
+    bin_dir.mkdir()
+    calls.mkdir()
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+
+    def make(name: str, reply: str) -> Path:
+        script = f"""\
+            #!/bin/bash
+            set -e
+            n=$(( $(ls "{calls}" | grep -c '^{name}-.*\\.args$' || true) + 1 ))
+            printf '%s\\n' "$@" > "{calls}/{name}-$n.args"
+            cat > "{calls}/{name}-$n.stdin"
+            echo "{reply}"
+            """
+        path = bin_dir / name
+        path.write_text(textwrap.dedent(script))
+        path.chmod(0o755)
+        return calls
+
+    return make
+
+
+def recorded(calls: Path, name: str) -> list[tuple[list[str], str]]:
+    """(args, stdin) of every recorded call of a fake binary, in call order."""
+    out = []
+    for n in range(1, 100):
+        args = calls / f"{name}-{n}.args"
+        if not args.exists():
+            break
+        out.append((args.read_text().splitlines(), (calls / f"{name}-{n}.stdin").read_text()))
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def write_probe(tmp_path: Path) -> tuple[Path, dict[str, str]]:
+    """The probe module and the environment that lets torchrun's ranks import it and write results."""
+    (tmp_path / "launch_probe.py").write_text(PROBE_SOURCE)
+    out = tmp_path / "probe-out"
+    out.mkdir()
+    pythonpath = os.pathsep.join([str(tmp_path), str(REPO)])
+    return out, {**os.environ, "PYTHONPATH": pythonpath, "PROBE_OUT": str(out), "OMP_NUM_THREADS": "1"}
+
+
+def probe_records(out: Path) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
+
+
+def cli(*args: str) -> tuple[int, str]:
+    result = RUNNER.invoke(app, list(args))
+    return result.exit_code, result.output
+
+
+# ------------------------------------------------------------------------------------------ topology
+@pytest.mark.parametrize(
+    ("gpus", "nodes", "per_node", "expected"),
+    [
+        (256, None, None, (32, 8)),
+        (4, None, None, (1, 4)),
+        (8, None, None, (1, 8)),
+        (16, 4, None, (4, 4)),
+        (16, None, 4, (4, 4)),
+        (2, 2, None, (2, 1)),
+        (12, 3, 4, (3, 4)),
+    ],
+)
+def test_topology_splits_gpus_over_nodes(gpus, nodes, per_node, expected) -> None:
+    topo = derive_topology(gpus, nodes, per_node)
+    assert (topo.nodes, topo.gpus_per_node) == expected
+    assert topo.world_size == gpus
+
+
+@pytest.mark.parametrize(
+    ("gpus", "nodes", "per_node", "fix"),
+    [
+        (12, None, None, "use GPUS=8 or 16"),
+        (10, 4, None, "does not split evenly over NODES=4"),
+        (16, 2, 4, "use GPUS=8"),
+        (0, None, None, "must be >= 1"),
+    ],
+)
+def test_impossible_topology_names_the_fix(gpus, nodes, per_node, fix) -> None:
+    with pytest.raises(LaunchError, match=re.escape(fix)):
+        derive_topology(gpus, nodes, per_node)
+
+
+def test_job_names_are_dns_labels() -> None:
+    assert job_name("train", "sd2-base-256") == "sd-train-sd2-base-256"
+    assert job_name("train", "/x/My_Config.yaml") == "sd-train-my-config"
+    assert len(job_name("encode", "x" * 200)) <= 50
+
+
+# ------------------------------------------------------------------------------------------ plans / dry run
+def test_dry_run_prints_layout_batching_command_and_estimate(train_yaml: Path) -> None:
+    code, out = cli("train", "--config", str(train_yaml), "--gpus", "256", "--launcher", "slurm", "--dry-run")
+    assert code == 0, out
+    assert "32 node(s) x 8 GPUs (world size 256)" in out
+    assert "global 2048 = 256 ranks x 8 per rank; microbatch 4 x 2 accumulation steps" in out
+    assert f"python -m train fit {train_yaml}" in out
+    assert "$ sbatch --parsable < sd-train-sd2-test.sbatch" in out
+    assert "#SBATCH --nodes=32" in out  # the whole rendered script is shown
+    assert re.search(r"estimate .*256 x A100-40GB: [\d.]+ days", out)
+
+
+def test_launch_command_registers_on_the_train_cli(train_yaml: Path) -> None:
+    """As train/cli.py registers it: `python -m train launch ...`."""
+    train_cli = typer.Typer()
+    train_cli.command("launch")(launch_command)
+    train_cli.command("fit")(lambda: None)
+    args = ["launch", "--config", str(train_yaml), "--gpus", "16", "--launcher", "slurm", "--dry-run"]
+    args.append("seed=3")
+    result = RUNNER.invoke(train_cli, args)
+    assert result.exit_code == 0, result.output
+    assert "2 node(s) x 8 GPUs" in result.output and "seed=3" in result.output
+
+
+def test_dry_run_launches_nothing(train_yaml: Path, fake_bin) -> None:
+    calls = fake_bin("sbatch", "1")
+    code, out = cli("train", "--config", str(train_yaml), "--gpus", "16", "--launcher", "slurm", "--dry-run")
+    assert code == 0, out
+    assert recorded(calls, "sbatch") == []
+
+
+def test_overrides_reach_the_batch_split_and_every_rank(train_yaml: Path) -> None:
+    plan = plan_train(
+        str(train_yaml), ["global_batch_size=64", "device_microbatch_size=2"], LaunchOptions(16, "slurm")
+    )
+    assert plan.batching is not None
+    assert (plan.batching.per_rank_batch, plan.batching.grad_accum) == (4, 2)
+    assert plan.program[-2:] == ("global_batch_size=64", "device_microbatch_size=2")
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--gpus", "3", "--gpus-per-node", "3", "--launcher", "slurm"], "not divisible by the world size 3"),
+        (["--gpus", "512", "--launcher", "slurm", "device_microbatch_size=3"], "device_microbatch_size=3"),
+        (["--gpus", "12", "--launcher", "slurm"], "not a multiple of 8 GPUs per node"),
+        (["--gpus", "16", "--launcher", "k8s"], "needs a container image"),
+        (["--gpus", "16", "--launcher", "slurm", "--node-rank", "1"], "--node-rank / --master-addr are for"),
+        (["--gpus", "16"], "2 nodes do not fit on this machine: use LAUNCHER=slurm"),
+        (["--gpus", "4096", "--gpus-per-node", "4096"], "use GPUS="),
+        (["--gpus", "8", "--launcher", "slurm", "--name", "Bad_Name"], "pass --name my-run"),
+        (["--gpus", "8", "--launcher", "slurm", "no_such_key=1"], "unknown key(s) no_such_key"),
+    ],
+)
+def test_impossible_requests_stop_with_the_fix(train_yaml: Path, args: list[str], message: str) -> None:
+    code, out = cli("train", "--config", str(train_yaml), *args)
+    assert code == 2, out
+    assert message in out
+
+
+def test_unknown_config_name_lists_the_known_ones() -> None:
+    code, out = cli("train", "--config", "no-such-config", "--dry-run")
+    assert code == 2
+    assert "no config named 'no-such-config'" in out
+
+
+def test_batching_errors_are_the_shared_ones(train_yaml: Path) -> None:
+    with pytest.raises(BatchingError, match="global_batch_size=2048 is not divisible by the world size 3"):
+        plan_train(str(train_yaml), [], LaunchOptions(3, "slurm", gpus_per_node=3))
+
+
+def test_missing_sbatch_and_kubectl_name_the_fix(train_yaml: Path, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))  # nothing on it
+    code, out = cli("train", "--config", str(train_yaml), "--gpus", "16", "--launcher", "slurm")
+    assert code == 2
+    assert "`sbatch` not found on PATH" in out and "--dry-run" in out
+    code, out = cli("train", "--config", str(train_yaml), "--gpus", "16", "--launcher", "k8s", "--image", "x")
+    assert code == 2
+    assert "`kubectl` not found on PATH" in out and "kubectl config use-context" in out
+
+
+def test_missing_torchrun_names_the_fix(tmp_path: Path, monkeypatch) -> None:
+    # An interpreter with no torchrun beside it, and nothing on PATH.
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "python"))
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(LaunchError, match=r"torchrun not found .* run `make install`"):
+        local_torchrun()
+
+
+def test_planning_never_imports_composer_or_torch(train_yaml: Path) -> None:
+    code = (
+        "import sys; from train.launch import plan_train; from train.launch_plan import LaunchOptions\n"
+        f"plan_train({str(train_yaml)!r}, [], LaunchOptions(16, 'slurm'))\n"
+        "heavy = sorted(m for m in ('composer', 'torch', 'diffusers') if m in sys.modules)\n"
+        "assert not heavy, heavy"
+    )
+    subprocess.run([PYTHON, "-c", code], cwd=REPO, check=True, timeout=60)
+
+
+# ------------------------------------------------------------------------------------------ Slurm
+def test_slurm_submits_exactly_the_rendered_script(train_yaml: Path, fake_bin) -> None:
+    calls = fake_bin("sbatch", "4242;cluster-a")
+    args = ["train", "--config", str(train_yaml), "--gpus", "16", "--launcher", "slurm", "--partition", "gpu"]
+    code, out = cli(*args, "max_duration=10ba")
+    assert code == 0, out
+    plan = plan_train(str(train_yaml), ["max_duration=10ba"], LaunchOptions(16, "slurm", partition="gpu"))
+    [(sbatch_args, script)] = recorded(calls, "sbatch")
+    assert sbatch_args == ["--parsable"]
+    assert script == plan.steps[0].stdin
+    assert "submitted the sbatch script: Slurm job 4242" in out
+    assert "squeue -j 4242" in out
+
+
+def test_slurm_script_is_valid_bash_with_the_rendezvous_and_knobs(train_yaml: Path, tmp_path: Path) -> None:
+    options = LaunchOptions(32, "slurm", partition="gpu", account="ml", time_limit="1-00:00:00", efa=True)
+    script = plan_train(str(train_yaml), ["data.uri=s3://b/it's here"], options).steps[0].stdin
+    assert script is not None
+    path = tmp_path / "job.sbatch"
+    path.write_text(script)
+    subprocess.run(["bash", "-n", str(path)], check=True)
+    for line in ("--nodes=4", "--ntasks-per-node=1", "--gpus-per-node=8", "--partition=gpu", "--account=ml"):
+        assert f"#SBATCH {line}" in script
+    assert 'NODE_HOSTS="$(scontrol show hostnames "$SLURM_JOB_NODELIST")"' in script
+    assert 'export NODE_RANK="$SLURM_NODEID"' in script
+    for knob in (
+        "NCCL_SOCKET_IFNAME",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+        "FI_PROVIDER",
+        "FI_EFA_USE_DEVICE_RDMA",
+    ):
+        assert re.search(rf"^# .+\nexport {knob}=", script, re.MULTILINE), knob  # each one documented
+    assert "S3_ENDPOINT_URL" in script and "AWS_SECRET_ACCESS_KEY" in script
+    assert "{{" not in script
+
+
+def test_efa_knobs_only_when_asked(train_yaml: Path) -> None:
+    plain = plan_train(str(train_yaml), [], LaunchOptions(16, "slurm")).steps[0].stdin
+    assert plain is not None and "FI_PROVIDER" not in plain
+
+
+@pytest.mark.dist
+def test_rendered_slurm_script_rendezvouses_two_nodes(tmp_path: Path) -> None:
+    """Run the sbatch body for real: fake srun starts one task per "node" on localhost, torchrun is real."""
+    out, env = write_probe(tmp_path)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    # A long host list: reading only its first line through a pipe would SIGPIPE scontrol under pipefail.
+    (bin_dir / "scontrol").write_text("#!/bin/bash\necho 127.0.0.1\nseq -f 'node%g' 2 20000\n")
+    srun = """\
+        #!/bin/bash
+        # one task per node, concurrently, each with its SLURM_NODEID (like srun --ntasks-per-node=1)
+        while [[ "$1" == --* ]]; do shift; done
+        pids=()
+        for ((i = 0; i < SLURM_NNODES; i++)); do SLURM_NODEID=$i "$@" & pids+=($!); done
+        rc=0
+        for pid in "${pids[@]}"; do wait "$pid" || rc=$?; done
+        exit $rc
+        """
+    (bin_dir / "srun").write_text(textwrap.dedent(srun))
+    for name in ("scontrol", "srun"):
+        (bin_dir / name).chmod(0o755)
+    topo = Topology(nodes=2, gpus_per_node=1)
+    values = {
+        "nodes": 2,
+        "gpus_per_node": 1,
+        "master_port": free_port(),
+        "torchrun": local_torchrun(),
+        "program": "launch_probe --flag 'a b'",
+    }
+    env_block = render_env_exports(load_env_vars(efa=False))
+    header = SbatchHeader("probe", "probe", node_resources(topo), SlurmSite(), env_block, str(tmp_path))
+    script = render_sbatch(SLURM_NODES, header, values)
+    slurm = {"SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_CPUS_ON_NODE": "2"}
+    env.update(PATH=f"{bin_dir}{os.pathsep}{env['PATH']}", **slurm)
+    result = subprocess.run(
+        ["bash", "-c", script], env=env, capture_output=True, text=True, timeout=PROBE_TIMEOUT_S, check=False
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    records = probe_records(out)
+    assert [(r["RANK"], r["NODE_RANK"], r["WORLD_SIZE"]) for r in records] == [
+        ("0", "0", "2"),
+        ("1", "1", "2"),
+    ]
+    assert all(r["all_reduce"] == 3.0 and r["MASTER_ADDR"] == "127.0.0.1" for r in records)
+    assert records[0]["argv"] == ["--flag", "a b"]
+
+
+# ------------------------------------------------------------------------------------------ Kubernetes
+def _k8s_docs(manifest: str) -> dict[str, dict]:
+    docs = [doc for doc in yaml.safe_load_all(manifest) if doc]
+    return {doc["kind"]: doc for doc in docs}
+
+
+def test_k8s_manifest_has_replicas_gpus_command_and_env(train_yaml: Path, monkeypatch) -> None:
+    monkeypatch.setenv("S3_ENDPOINT_URL", "http://minio:9000")
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "eth0")
+    options = LaunchOptions(32, "k8s", image="reg/sd:1", namespace="ml", master_port=29400)
+    plan = plan_train(str(train_yaml), ["max_duration=10ba"], options)
+    manifest = plan.steps[0].stdin
+    assert manifest is not None and "{{" not in manifest
+    docs = _k8s_docs(manifest)
+    service, job = docs["Service"], docs["Job"]
+    assert service["spec"]["clusterIP"] == "None"
+    assert service["spec"]["selector"] == {"job-name": "sd-train-sd2-test"}
+    assert job["metadata"]["namespace"] == "ml"
+    spec = job["spec"]
+    assert (spec["completionMode"], spec["completions"], spec["parallelism"]) == ("Indexed", 4, 4)
+    pod = spec["template"]["spec"]
+    assert pod["subdomain"] == "sd-train-sd2-test"
+    [container] = pod["containers"]
+    assert container["image"] == "reg/sd:1"
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 8
+    assert container["command"] == [
+        "torchrun",
+        "--nnodes=4",
+        "--nproc-per-node=8",
+        "--node-rank=$(NODE_RANK)",
+        "--master-addr=sd-train-sd2-test-0.sd-train-sd2-test",
+        "--master-port=29400",
+        "-m",
+        "train",
+        "fit",
+        str(train_yaml),
+        "max_duration=10ba",
+    ]
+    env = {entry["name"]: entry for entry in container["env"]}
+    assert "job-completion-index" in env["NODE_RANK"]["valueFrom"]["fieldRef"]["fieldPath"]
+    assert env["S3_ENDPOINT_URL"]["value"] == "http://minio:9000"  # passed through from the launching shell
+    assert env["NCCL_SOCKET_IFNAME"]["value"] == "eth0"  # the shell's value wins over the default
+    secret = env["AWS_SECRET_ACCESS_KEY"]["valueFrom"]["secretKeyRef"]
+    assert secret == {"name": "sd-pretrain-env", "key": "AWS_SECRET_ACCESS_KEY", "optional": True}
+    assert "AWS_REGION" not in env  # unset here: not written
+    assert any("local file" in note for note in plan.notes)
+
+
+def test_k8s_applies_exactly_the_rendered_manifest(train_yaml: Path, fake_bin) -> None:
+    calls = fake_bin("kubectl", "job.batch/sd-train-sd2-test created")
+    args = ["train", "--config", str(train_yaml), "--gpus", "8", "--launcher", "k8s", "--image", "reg/sd:1"]
+    code, out = cli(*args)
+    assert code == 0, out
+    plan = plan_train(str(train_yaml), [], LaunchOptions(8, "k8s", image="reg/sd:1"))
+    [(kubectl_args, manifest)] = recorded(calls, "kubectl")
+    assert kubectl_args == ["apply", "-f", "-"]
+    assert manifest == plan.steps[0].stdin
+    assert "job.batch/sd-train-sd2-test created" in out
+    assert "kubectl get pods -l job-name=sd-train-sd2-test" in out
+
+
+def test_failed_submission_reports_the_tool_error(train_yaml: Path, tmp_path: Path, monkeypatch) -> None:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text("#!/bin/bash\necho 'sbatch: error: invalid partition' >&2\nexit 1\n")
+    (bin_dir / "sbatch").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    code, out = cli("train", "--config", str(train_yaml), "--gpus", "8", "--launcher", "slurm")
+    assert code == 2
+    assert "invalid partition" in out
+
+
+# ------------------------------------------------------------------------------------------ templates
+def test_env_vars_are_declared_once(tmp_path: Path) -> None:
+    """The NCCL / EFA / S3 names live in env.yaml only; the templates get them rendered."""
+    names = [var.name for var in load_env_vars(efa=True)]
+    assert {"NCCL_SOCKET_IFNAME", "FI_PROVIDER", "S3_ENDPOINT_URL"} <= set(names)
+    for template in TEMPLATES_DIR.iterdir():
+        if template != ENV_FILE:
+            text = template.read_text()
+            assert not [name for name in names if name in text], template
+
+
+def test_template_placeholders_indent_blocks_and_drop_empty_lines() -> None:
+    text = "a: {{x}}\n  {{block}}\n{{empty}}\nend $HOME ${X:-1}\n"
+    rendered = render_template(text, {"x": 1, "block": "- p\n- q", "empty": ""})
+    assert rendered == "a: 1\n  - p\n  - q\nend $HOME ${X:-1}\n"
+    with pytest.raises(LaunchError, match="placeholder"):
+        render_template("{{missing}}", {})
+
+
+# ------------------------------------------------------------------------------------------ local torchrun
+def _local_plan(tmp_path: Path, options: LaunchOptions) -> LaunchPlan:
+    return LaunchPlan("train", "probe", options, options.topology(), ("launch_probe", "--flag", "a b"))
+
+
+@pytest.mark.dist
+def test_local_launch_runs_two_cpu_ranks(tmp_path: Path) -> None:
+    out, env = write_probe(tmp_path)
+    step = launch.local_step(_local_plan(tmp_path, LaunchOptions(gpus=2)))
+    assert "--standalone" in step.argv  # a free port: parallel runs on one machine never collide
+    subprocess.run(
+        step.argv, env={**env, **step.env}, check=True, timeout=PROBE_TIMEOUT_S, capture_output=True
+    )
+    records = probe_records(out)
+    assert [(r["RANK"], r["LOCAL_WORLD_SIZE"], r["NODE_RANK"]) for r in records] == [
+        ("0", "2", "0"),
+        ("1", "2", "0"),
+    ]
+    assert all(r["all_reduce"] == 3.0 and r["argv"] == ["--flag", "a b"] for r in records)
+
+
+@pytest.mark.dist
+def test_two_local_node_launches_meet_at_one_rendezvous(tmp_path: Path) -> None:
+    out, env = write_probe(tmp_path)
+    port = free_port()
+    procs = []
+    for node_rank in (0, 1):
+        options = LaunchOptions(
+            gpus=2, nodes=2, node_rank=node_rank, master_addr="127.0.0.1", master_port=port
+        )
+        step = launch.local_step(_local_plan(tmp_path, options))
+        procs.append(subprocess.Popen(step.argv, env={**env, **step.env}, stderr=subprocess.PIPE, text=True))
+    for proc in procs:
+        _, err = proc.communicate(timeout=PROBE_TIMEOUT_S)
+        assert proc.returncode == 0, err
+    records = probe_records(out)
+    assert [(r["RANK"], r["NODE_RANK"], r["WORLD_SIZE"]) for r in records] == [
+        ("0", "0", "2"),
+        ("1", "1", "2"),
+    ]
+    assert all(r["all_reduce"] == 3.0 for r in records)

@@ -1,0 +1,81 @@
+"""`python -m train fit CONFIG [key=value ...]` and `python -m train export CHECKPOINT OUT`."""
+
+from __future__ import annotations
+
+import logging
+
+import typer
+
+app = typer.Typer(
+    add_completion=False, no_args_is_help=True, help="Train the U-Net on encoded latents; export it."
+)
+
+
+def _setup_logging() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def _user_errors() -> tuple[type[Exception], ...]:
+    """Errors whose message already names the fix: print it, no traceback."""
+    from shared.config import ConfigError
+    from shared.contract import ContractError
+    from train.batching import BatchingError
+    from train.checkpoints import CheckpointError
+    from train.data import DataError
+
+    return (ConfigError, ContractError, BatchingError, CheckpointError, DataError, FileNotFoundError)
+
+
+def _fail(err: Exception) -> None:
+    typer.echo(f"error: {err}", err=True)
+    raise typer.Exit(2)
+
+
+@app.command()
+def fit(
+    config: str = typer.Argument(..., help="a name in jobs/train/ (e.g. tiny, sd2-base-256) or a YAML path"),
+    overrides: list[str] = typer.Argument(
+        None, help="key=value overrides, e.g. data.uri=s3://b/ds max_duration=20ba"
+    ),
+) -> None:
+    """Train (or resume: rerun the same command after a crash)."""
+    from shared.config import load_config
+    from train.config import TrainConfig
+
+    _setup_logging()
+    from train.callbacks import DatasetChangedError
+    from train.trainer import fit as run_fit
+
+    try:
+        cfg = load_config(TrainConfig, config, overrides or [], kind="train")
+        trainer = run_fit(cfg)
+    except (*_user_errors(), DatasetChangedError) as err:
+        _fail(err)
+    typer.echo(f"done at {trainer.state.timestamp.batch.value} batches; checkpoints in {cfg.save_folder}")
+
+
+@app.command()
+def export(
+    checkpoint: str = typer.Argument(
+        ..., help="a checkpoint .pt or a save folder (its latest), local or s3://"
+    ),
+    out: str = typer.Argument(..., help="output folder (local or s3://) for the diffusers pipeline"),
+    sampler: str = typer.Option("ddim", help="scheduler written into the pipeline: ddim or euler"),
+    weights: str = typer.Option("ema", help="ema (default) or training"),
+    allow_encoder_mismatch: bool = typer.Option(
+        False, help="export even if the VAE/text encoder differ from encode's"
+    ),
+) -> None:
+    """Write a diffusers StableDiffusionPipeline folder from a checkpoint."""
+    from train.export import ExportError, export_pipeline
+
+    _setup_logging()
+    try:
+        result = export_pipeline(checkpoint, out, sampler, weights, allow_encoder_mismatch)  # type: ignore[arg-type]
+    except (*_user_errors(), ExportError) as err:
+        _fail(err)
+    typer.echo(f"exported {result.weights} weights of {result.checkpoint} to {result.out}")
+
+
+if __name__ == "__main__":
+    app()

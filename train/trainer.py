@@ -1,0 +1,367 @@
+"""The train job as small named stages: prepare_run -> build_model -> build_trainer -> fit.
+
+`prepare_run` does everything that can fail cheaply before any model is built: resolve device and
+precision, derive batching, read the dataset manifest, check the data contract against the preset, pin the
+dataset version into the local cache and decide where training starts (autoresume, load_path, or fresh).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import yaml
+
+from shared.config import ConfigError, config_to_dict
+from shared.contract import Expectation, check_compatible
+from shared.manifest import DatasetManifest
+from shared.models import build_unet as build_preset_unet
+from shared.presets import get_preset
+from train.batching import Batching, derive_batching
+from train.checkpoints import CHECKPOINT_FILENAME, LATEST_NAME, find_latest_checkpoint, resolve_checkpoint
+from train.config import TrainConfig
+from train.data import PinnedData, build_dataloader, pin_version, read_dataset_manifest
+from train.diffusion import DiffusionModel, Objective
+
+if TYPE_CHECKING:
+    from composer import Trainer
+    from diffusers import UNet2DConditionModel
+
+log = logging.getLogger(__name__)
+
+CONFIG_FILENAME = "train_config.yaml"
+METRICS_FILENAME = "metrics.jsonl"
+SAMPLES_DIRNAME = "samples"
+
+
+@dataclass(frozen=True)
+class StartPoint:
+    """Where training starts: a checkpoint to resume or initialise from, or nothing (fresh)."""
+
+    load_path: str | None = None
+    weights_only: bool = False
+    resuming: bool = False
+
+
+@dataclass
+class RunContext:
+    cfg: TrainConfig
+    run_name: str
+    device: str  # "cpu" or "gpu"
+    precision: str
+    batching: Batching
+    manifest: DatasetManifest
+    pinned: PinnedData
+    local_dir: str  # log, metrics, samples and the resolved config go here
+    start: StartPoint
+
+
+# ---------------------------------------------------------------------------------------- preparing
+def resolve_device(cfg: TrainConfig) -> str:
+    has_gpu = torch.cuda.is_available()
+    if cfg.device == "gpu" and not has_gpu:
+        raise ConfigError("device=gpu but no CUDA device is visible; use device=auto or device=cpu")
+    device = "gpu" if has_gpu and cfg.device != "cpu" else "cpu"
+    if device == "cpu" and cfg.fsdp:
+        raise ConfigError("fsdp=true needs GPUs and none is visible; pass fsdp=false for a CPU run")
+    return device
+
+
+def resolve_precision(cfg: TrainConfig, device: str) -> str:
+    """auto -> amp_bf16 on GPU, fp32 on CPU (Composer's CPU device only trains in fp32)."""
+    if cfg.precision == "auto":
+        return "amp_bf16" if device == "gpu" else "fp32"
+    if device == "cpu" and cfg.precision != "fp32":
+        raise ConfigError(f"precision={cfg.precision} needs a GPU; on CPU use precision=fp32 (or auto)")
+    return cfg.precision
+
+
+def world_size() -> int:
+    from composer.utils import dist
+
+    return dist.get_world_size()
+
+
+def expected_shapes(cfg: TrainConfig) -> Expectation:
+    preset = get_preset(cfg.model.preset)
+    res = cfg.data.resolution
+    return Expectation(res, preset.latent_shape(res), preset.text_shape(), cfg.model.scale_factor)
+
+
+def check_data_contract(cfg: TrainConfig, manifest: DatasetManifest) -> None:
+    """Refuse data the model cannot use before step 1 (shapes, resolution, scale factor, contract version)."""
+    check_compatible(manifest, expected_shapes(cfg))
+
+
+def local_run_dir(cfg: TrainConfig, run_name: str) -> str:
+    if cfg.log.local_dir:
+        return cfg.log.local_dir
+    if not cfg.save_is_remote():
+        return cfg.save_folder
+    return os.path.join(tempfile.gettempdir(), "sd-pretrain-runs", run_name)
+
+
+def resolve_start(cfg: TrainConfig) -> StartPoint:
+    """Autoresume from save_folder's latest checkpoint; else load_path (maybe weights-only); else fresh."""
+    if cfg.autoresume:
+        latest = find_latest_checkpoint(cfg.save_folder)
+        if latest:
+            log.info("autoresume: continuing from %s", latest)
+            return StartPoint(latest, weights_only=False, resuming=True)
+    if cfg.load_path:
+        path = resolve_checkpoint(cfg.load_path)
+        log.info("starting from %s (%s)", path, "weights only" if cfg.load_weights_only else "full state")
+        return StartPoint(path, weights_only=cfg.load_weights_only, resuming=False)
+    return StartPoint()
+
+
+def prepare_run(cfg: TrainConfig) -> RunContext:
+    device = resolve_device(cfg)
+    precision = resolve_precision(cfg, device)
+    batching = derive_batching(cfg.global_batch_size, world_size(), cfg.device_microbatch_size)
+    manifest = read_dataset_manifest(cfg.data)
+    check_data_contract(cfg, manifest)
+    pinned = pin_version(cfg.data, manifest)
+    run_name = cfg.resolved_run_name()
+    ctx = RunContext(
+        cfg=cfg,
+        run_name=run_name,
+        device=device,
+        precision=precision,
+        batching=batching,
+        manifest=manifest,
+        pinned=pinned,
+        local_dir=local_run_dir(cfg, run_name),
+        start=resolve_start(cfg),
+    )
+    log_run(ctx)
+    return ctx
+
+
+def log_run(ctx: RunContext) -> None:
+    b, data = ctx.batching, ctx.pinned
+    log.info("run %s on %s in %s", ctx.run_name, ctx.device, ctx.precision)
+    log.info(
+        "global batch %d = %d ranks x %d (microbatch %d x %d accumulation)",
+        b.global_batch, b.world_size, b.per_rank_batch, b.microbatch, b.grad_accum,
+    )  # fmt: skip
+    log.info(
+        "data %s version %s: %d samples at %d px", data.root, data.version, data.num_samples, data.resolution
+    )
+
+
+# ------------------------------------------------------------------------------------------ the model
+def build_unet(cfg: TrainConfig) -> UNet2DConditionModel:
+    """Random init with the preset's shapes (pretraining) or model.init_from's unet/."""
+    unet = build_preset_unet(get_preset(cfg.model.preset), cfg.model.init_from)
+    if cfg.model.gradient_checkpointing:
+        unet.enable_gradient_checkpointing()
+    return unet.train()
+
+
+def build_model(ctx: RunContext) -> DiffusionModel:
+    manifest = ctx.manifest
+    empty = torch.from_numpy(manifest.empty_caption_embedding.astype("float32"))
+    objective = Objective(ctx.cfg.model, manifest.scale_factor, empty)
+    return DiffusionModel(build_unet(ctx.cfg), objective)
+
+
+def run_record(ctx: RunContext, model: DiffusionModel) -> dict[str, Any]:
+    """What every checkpoint remembers about data, model recipe and encoders (see RunRecord)."""
+    manifest = ctx.manifest
+    return {
+        "run_name": ctx.run_name,
+        "dataset": ctx.pinned.record(),
+        "preset": ctx.cfg.model.preset,
+        # JSON round trip: plain dicts/lists only, so the record never needs custom classes to unpickle.
+        "unet_config": json.loads(json.dumps(dict(model.unet.config), default=list)),
+        "model": config_to_dict(ctx.cfg.model),
+        "scale_factor": float(manifest.scale_factor),
+        "encoders": dict(manifest.fingerprints.get("encoders", {})),
+        "encoder_config": dict(manifest.config.get("encoder", {})),
+    }
+
+
+# ---------------------------------------------------------------------------------------- the trainer
+def build_optimizer(cfg: TrainConfig, model: DiffusionModel) -> torch.optim.Optimizer:
+    """torch.optim.AdamW: weight decay lr * wd * w, as the published SD2 recipe (not Composer's decoupled)."""
+    opt = cfg.optimizer
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW(params, lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay)
+
+
+def build_schedulers(cfg: TrainConfig) -> list[Any]:
+    from composer.optim import ConstantWithWarmupScheduler, CosineAnnealingWithWarmupScheduler
+
+    if cfg.optimizer.schedule == "cosine":
+        return [CosineAnnealingWithWarmupScheduler(t_warmup=cfg.optimizer.warmup, alpha_f=0.0)]
+    return [ConstantWithWarmupScheduler(t_warmup=cfg.optimizer.warmup)]
+
+
+def build_algorithms(ctx: RunContext) -> list[Any]:
+    from composer.algorithms import GradientClipping
+
+    from train.ema import build_ema
+
+    cfg = ctx.cfg
+    algorithms: list[Any] = []
+    if cfg.optimizer.grad_clip_norm is not None:
+        algorithms.append(
+            GradientClipping(clipping_type="norm", clipping_threshold=cfg.optimizer.grad_clip_norm)
+        )
+    if cfg.ema.enabled:
+        handoff = ctx.start.weights_only and not ctx.start.resuming
+        algorithms.append(
+            build_ema(cfg.ema_smoothing_per_update(), cfg.ema.start, cfg.ema.update_interval, handoff=handoff)
+        )
+    return algorithms
+
+
+def build_callbacks(ctx: RunContext, model: DiffusionModel) -> list[Any]:
+    from composer.callbacks import LRMonitor, MemoryMonitor, RuntimeEstimator, SpeedMonitor
+
+    from train.callbacks import ArtifactMirror, RunRecord
+    from train.samples import SampleRenderer
+
+    cfg = ctx.cfg
+    callbacks: list[Any] = [
+        RunRecord(run_record(ctx, model), allow_dataset_change=cfg.data.allow_dataset_change),
+        SpeedMonitor(window_size=cfg.log.speed_window),
+        LRMonitor(),
+        RuntimeEstimator(),
+    ]
+    if ctx.device == "gpu":
+        callbacks.append(MemoryMonitor())
+    if cfg.samples.enabled:
+        preset = get_preset(cfg.model.preset)
+        callbacks.append(
+            SampleRenderer(
+                cfg.samples,
+                cfg.model,
+                dict(ctx.manifest.config.get("encoder", {})),
+                model.objective.empty_caption,
+                preset.latent_shape(cfg.data.resolution),
+                ctx.manifest.scale_factor,
+                os.path.join(ctx.local_dir, SAMPLES_DIRNAME),
+            )
+        )
+    if cfg.save_is_remote():
+        restore = (METRICS_FILENAME,)
+        callbacks.append(ArtifactMirror(ctx.local_dir, cfg.save_folder, cfg.save_interval, restore=restore))
+    return callbacks
+
+
+def build_loggers(ctx: RunContext) -> list[Any]:
+    from composer.loggers import FileLogger
+
+    from train.callbacks import MetricsJSONL
+
+    cfg = ctx.cfg
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    loggers: list[Any] = [
+        # One log per start: a resumed run keeps the crashed attempt's log next to its own.
+        FileLogger(
+            filename=os.path.join(ctx.local_dir, "logs", f"train-{stamp}-rank{{rank}}.log"), overwrite=True
+        ),
+        MetricsJSONL(os.path.join(ctx.local_dir, METRICS_FILENAME)),
+    ]
+    if cfg.log.tensorboard:
+        from composer.loggers import TensorboardLogger
+
+        loggers.append(TensorboardLogger(log_dir=os.path.join(ctx.local_dir, "tensorboard")))
+    if cfg.log.wandb_project:
+        from composer.loggers import WandBLogger
+
+        loggers.append(
+            WandBLogger(project=cfg.log.wandb_project, entity=cfg.log.wandb_entity, name=ctx.run_name)
+        )
+    return loggers
+
+
+def parallelism_config(ctx: RunContext) -> dict[str, Any] | None:
+    if not ctx.cfg.fsdp:
+        return None
+    return {
+        "fsdp": {
+            "sharding_strategy": ctx.cfg.fsdp_sharding_strategy,
+            "mixed_precision": "DEFAULT",
+            "state_dict_type": "full",  # one file per checkpoint, loadable by export and on any world size
+            "use_orig_params": True,
+        }
+    }
+
+
+def resolved_config(ctx: RunContext) -> TrainConfig:
+    """The config with derived choices filled in: rerunning it reproduces this run (same data version)."""
+    data = dataclasses.replace(ctx.cfg.data, version=ctx.pinned.version)
+    return dataclasses.replace(ctx.cfg, run_name=ctx.run_name, data=data)
+
+
+def write_resolved_config(ctx: RunContext) -> None:
+    from train.callbacks import write_text_file
+
+    text = yaml.safe_dump(config_to_dict(resolved_config(ctx)), sort_keys=False)
+    write_text_file(os.path.join(ctx.local_dir, CONFIG_FILENAME), text)
+
+
+def build_trainer(cfg: TrainConfig) -> Trainer:
+    from composer import Trainer
+
+    ctx = prepare_run(cfg)
+    model = build_model(ctx)
+    write_resolved_config(ctx)
+    # Join torch.distributed before Streaming starts: otherwise Streaming brings up its own process group
+    # and tears it down, and Composer's later init reads stale rendezvous addresses (gloo connectFullMesh
+    # fails on every rank > 1 run).
+    from composer.utils import dist
+
+    dist.initialize_dist(ctx.device)
+    dataloader = build_dataloader(cfg.data, ctx.pinned, ctx.batching.per_rank_batch, cfg.seed)
+    return Trainer(
+        model=model,
+        train_dataloader=dataloader,
+        max_duration=cfg.max_duration,
+        optimizers=build_optimizer(cfg, model),
+        schedulers=build_schedulers(cfg),
+        step_schedulers_every_batch=True,
+        algorithms=build_algorithms(ctx),
+        callbacks=build_callbacks(ctx, model),
+        loggers=build_loggers(ctx),
+        run_name=ctx.run_name,
+        progress_bar=False,
+        log_to_console=True,
+        console_log_interval=cfg.log.console_interval,
+        load_path=ctx.start.load_path,
+        load_weights_only=ctx.start.weights_only,
+        save_folder=cfg.save_folder,
+        save_filename=CHECKPOINT_FILENAME,
+        save_latest_filename=LATEST_NAME,
+        save_interval=cfg.save_interval,
+        save_num_checkpoints_to_keep=cfg.save_num_checkpoints_to_keep,
+        # After a crash the dead attempt may have written checkpoints past the one we resume from.
+        save_overwrite=cfg.autoresume,
+        autoresume=False,  # resolved by resolve_start (Composer's own mishandles s3:// save folders)
+        parallelism_config=parallelism_config(ctx),
+        device=ctx.device,
+        precision=ctx.precision,
+        device_train_microbatch_size=ctx.batching.microbatch,
+        seed=cfg.seed,
+        compile_config={} if cfg.compile else None,
+    )
+
+
+def fit(cfg: TrainConfig) -> Trainer:
+    """Build and run the trainer; returns it (closed) so callers can inspect state."""
+    trainer = build_trainer(cfg)
+    try:
+        trainer.fit()
+    finally:
+        trainer.close()
+    return trainer
