@@ -77,5 +77,20 @@ def export(
     typer.echo(f"exported {result.weights} weights of {result.checkpoint} to {result.out}")
 
 
+def _register_light_commands() -> None:
+    """Commands whose modules import neither torch nor composer, so `--help` and planning stay instant."""
+    from train.estimate import estimate_command
+    from train.launch import launch_command
+
+    app.command("launch", help="Plan and launch training on local / Slurm / Kubernetes (see --dry-run).")(
+        launch_command
+    )
+    app.command("estimate", help="Days, GPU-hours and dollars for a schedule (writes JSON, table, plot).")(
+        estimate_command
+    )
+
+
+_register_light_commands()
+
 if __name__ == "__main__":
     app()
