@@ -67,7 +67,7 @@ estimate: $(STAMP)  ## make estimate [ESTIMATE=sd2-base] ARGS='gpus=256 gpu.type
 	$(BIN)/python -m train.estimate $(ESTIMATE) $(ARGS)
 
 bench: $(STAMP)  ## make bench [BENCH=quick|full|sd2-base-cpu] [ARGS='k=v ..']: throughput, FLOPs, MFU -> outputs/bench
-	$(BIN)/python -m train bench $(BENCH) $(ARGS)
+	$(BIN)/python -m train bench $(BENCH) out_dir=$(OUT)/bench $(ARGS)
 
 tiny-vae: $(STAMP)  ## retrain the tiny preset's VAE on the sample data (writes shared/assets/)
 	$(BIN)/python -m train.tiny_vae --out shared/assets $(ARGS)

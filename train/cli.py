@@ -79,11 +79,15 @@ def export(
 
 def _register_light_commands() -> None:
     """Commands whose modules import neither torch nor composer, so `--help` and planning stay instant."""
+    from train.bench import bench_command
     from train.estimate import estimate_command
     from train.launch import launch_command
 
     app.command("launch", help="Plan and launch training on local / Slurm / Kubernetes (see --dry-run).")(
         launch_command
+    )
+    app.command("bench", help="Throughput, FLOPs, MFU, offline speedup, loader and encode rates -> JSON.")(
+        bench_command
     )
     app.command("estimate", help="Days, GPU-hours and dollars for a schedule (writes JSON, table, plot).")(
         estimate_command

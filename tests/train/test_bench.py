@@ -1,0 +1,166 @@
+"""`make bench` end to end at tiny shapes with minimal repeats, its JSON as the planner reads it, and the FLOP
+counts it rests on. No timing assertions: the numbers only have to exist and be positive."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import typer
+from typer.testing import CliRunner
+
+from shared.config import ConfigError
+from train.bench import JSON_NAME, MARKDOWN_NAME, bench_command, load_bench_config, run_bench, write_outputs
+from train.bench_step import count_flops
+from train.estimate import estimate, load_estimate_config, read_bench
+
+# Smallest settings that still run every section once: one timed step per variant, one loader pass, two
+# Composer batches (one warm-up), eight encoded sample images without worker processes.
+MINIMAL = [
+    "step.resolutions=[64,128]",
+    "step.batch_size=1",
+    "step.warmup=0",
+    "step.repeats=1",
+    "loader.rows=8",
+    "loader.num_workers=0",
+    "loader.passes=1",
+    "loader.raw_read_repeats=1",
+    "trainer.batches=1",
+    "trainer.warmup=1",
+    "encode.samples=8",
+    "encode.partitions=1",
+    "encode.batch_size=4",
+    "encode.workers=0",
+    "encode.repeats=1",
+    "threads=1",  # steadier on shared cores; run_bench restores the count afterwards
+]
+# A schedule at the resolutions measured, so the planner needs nothing the minimal bench leaves out.
+SCHEDULE = "schedule=[{resolution: 64, samples: 1000000}, {resolution: 128, samples: 1000000}]"
+TOLERANCE = 0.02
+
+
+@pytest.fixture(scope="module")
+def bench_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path]:
+    """The quick config at minimal repeats, run once for the whole module: (result, out dir)."""
+    base = tmp_path_factory.mktemp("bench")
+    out = base / "out"
+    cfg = load_bench_config("quick", [*MINIMAL, f"out_dir={out}", f"work_dir={base / 'work'}"])
+    threads = torch.get_num_threads()
+    result = run_bench(cfg)
+    assert torch.get_num_threads() == threads, "run_bench must hand back the caller's torch thread count"
+    write_outputs(result, cfg.out_dir)
+    return result, out
+
+
+def positive(value: Any) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+
+
+def test_bench_writes_json_with_every_section(bench_run: tuple[dict[str, Any], Path]) -> None:
+    _, out = bench_run
+    result = json.loads((out / JSON_NAME).read_text())
+    assert {"device", "num_devices", "flops", "train", "loader", "trainer", "encode", "findings"} <= set(
+        result
+    )
+    assert result["device_type"] == "cpu" and result["precision"] == "fp32" and result["peak_tflops"] is None
+    assert set(result["train"]) == set(result["flops"]) == {"64", "128"}
+    for res, train in result["train"].items():
+        assert positive(train["images_per_s_per_device"]), res
+        assert positive(train["online"]["images_per_s_per_device"]) and positive(train["offline_speedup"])
+        assert train["mfu"] is None  # CPU without peak_tflops: MFU is n/a, never a guess
+        assert train["ideal_offline_speedup"] == pytest.approx(result["flops"][res]["ideal_offline_speedup"])
+    loader, trainer, encode = result["loader"], result["trainer"], result["encode"]
+    assert all(
+        positive(loader[k]) for k in ("images_per_s", "bytes_per_s", "raw_read_bytes_per_s", "bytes_per_row")
+    )
+    assert all(positive(trainer[k]) for k in ("wall_per_batch_s", "bare_step_s", "images_per_s"))
+    assert trainer["batches_timed"] == 1 and 0 <= trainer["outside_step_share"] < 1
+    assert "HandoffEMA" in trainer["components_s"]  # the recipe's EMA is timed on its own
+    assert isinstance(trainer["unattributed_s"], float)  # Composer's own loop: may come out < 0 by noise
+    assert positive(encode["images_per_s_per_device"]) and encode["samples"] > 0
+    assert all(positive(encode["stages_samples_per_s"][k]) for k in ("prepare", "vae", "text"))
+    assert positive(encode["bound_samples_per_s"]) and encode["slowest_stage"] in ("prepare", "vae", "text")
+    assert 0 < encode["vae_input_share_of_vae"] < 1
+
+
+def test_bench_writes_markdown_table(bench_run: tuple[dict[str, Any], Path]) -> None:
+    result, out = bench_run
+    text = (out / MARKDOWN_NAME).read_text()
+    assert "| res | batch | img/s offline | img/s online |" in text
+    assert "| 64 |" in text and "| 128 |" in text and "encode pipeline" in text
+    assert all(f"- {note}" in text for note in result["findings"])
+
+
+def test_planner_reads_the_bench_json(bench_run: tuple[dict[str, Any], Path]) -> None:
+    result, out = bench_run
+    path = str(out / JSON_NAME)
+    bench = read_bench(path)
+    assert bench["train"] == {int(res): t["images_per_s_per_device"] for res, t in result["train"].items()}
+    assert bench["num_devices"] == 1 and bench["gpu_type"] is None  # a CPU is no GPU_TABLE type
+    assert bench["encode"] == pytest.approx(result["encode"]["images_per_s_per_device"])
+    est = estimate(load_estimate_config("sd2-base", [f"throughput_from={path}", SCHEDULE]))
+    assert est.train_days > 0 and any("unknown" in note for note in est.notes)
+
+
+def test_flops_train_step_is_three_forwards() -> None:
+    """Backward costs about twice the forward (weight and input gradients), so a train step ~3x forward."""
+    for res, counts in count_flops("tiny", [64, 256]).items():
+        assert counts.unet_train_step / counts.unet_forward == pytest.approx(3.0, rel=TOLERANCE), res
+        assert counts.ideal_offline_speedup > 1
+
+
+def test_flops_vae_scale_with_pixels() -> None:
+    """Convolutions scale with the pixel count (4x from 256 to 512 px); the VAE's mid-block attention grows
+    with its square, so the total grows a little faster than 4x."""
+    counts = count_flops("tiny", [256, 512])
+    low, high = counts[256], counts[512]
+    conv = [c.by_operator["vae_encoder"]["convolution"] for c in (low, high)]
+    assert conv[1] / conv[0] == pytest.approx(4.0, rel=TOLERANCE)
+    assert 4.0 <= high.vae_encoder / low.vae_encoder < 6.0
+    assert high.text_tower == low.text_tower  # captions do not depend on the image size
+
+
+@pytest.mark.slow
+def test_flops_match_published_sd2_base_counts() -> None:
+    """SD2 base at 256 px: U-Net forward 181 GFLOP, VAE encoder 273 GFLOP per image (on meta tensors)."""
+    counts = count_flops("sd2-base", [256])[256]
+    assert counts.unet_forward / 1e9 == pytest.approx(181.1, rel=0.01)
+    assert counts.vae_encoder / 1e9 == pytest.approx(272.7, rel=0.01)
+    assert counts.ideal_offline_speedup == pytest.approx(1.59, abs=0.01)
+
+
+def test_config_rejects_unknown_keys_and_impossible_sizes() -> None:
+    with pytest.raises(ConfigError, match="unknown key"):
+        load_bench_config("quick", ["step.repats=3"])
+    with pytest.raises(ConfigError, match=r"loader\.rows"):
+        load_bench_config("quick", ["loader.rows=3", "step.batch_size=2"])
+    with pytest.raises(ConfigError, match="not a multiple"):
+        load_bench_config("quick", ["step.resolutions=[250]"])
+
+
+@pytest.mark.parametrize("name", ["quick", "full", "sd2-base-cpu"])
+def test_shipped_configs_load(name: str) -> None:
+    cfg = load_bench_config(name)
+    assert cfg.step.resolutions and cfg.out_dir == "outputs/bench"
+
+
+def test_cli_reports_config_errors() -> None:
+    app = typer.Typer()
+    app.command()(bench_command)
+    result = CliRunner().invoke(app, ["quick", "no_such_key=1"])
+    assert result.exit_code == 2 and "unknown key" in result.output
+
+
+@pytest.mark.gpu
+def test_gpu_bench_uses_bf16_and_reports_mfu(tmp_path: Path) -> None:
+    extra = ["device=gpu", "step.resolutions=[256]", "loader.enabled=false", "trainer.enabled=false"]
+    cfg = load_bench_config("quick", [*MINIMAL, *extra, "encode.enabled=false", f"out_dir={tmp_path}"])
+    result = run_bench(cfg)
+    assert result["precision"] == "amp_bf16" and result["channels_last"]
+    assert positive(result["train"]["256"]["images_per_s_per_device"])
+    if result["peak_tflops"] is not None:  # a GPU in train/estimate.py's table
+        assert positive(result["train"]["256"]["mfu"])

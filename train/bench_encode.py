@@ -1,0 +1,251 @@
+"""Encode side of `make bench`: the real encode pipeline (`encode.pipeline.run_rank`) on sample data, and each
+of its stages alone on the same samples, to show how close the pipeline gets to its slowest stage.
+
+Stages: the worker side (read, filter, decode, resize: `encode.prepare.prepare_partition`, one process),
+the VAE (every resolution of a sample) and the text tower. VAE and text run one after the other in the
+main process while workers prepare the next samples, so the pipeline can at best reach
+min(workers x worker rate, 1 / (VAE + text seconds per sample)).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import statistics
+import tarfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from train.bench_step import random_init
+
+if TYPE_CHECKING:
+    from encode.config import EncodeConfig
+    from encode.encoders import Encoders
+    from encode.prepare import PreparedSample
+    from train.bench import EncodeBenchConfig
+    from train.bench_step import DeviceSetup
+
+SOURCE_ASPECT = 4 / 3  # landscape photos: the long side is 4/3 of the short one (LAION's most common shape)
+JPEG_QUALITY = 90
+ENCODER_PRECISION = "bf16"  # encode's default GPU inference precision (CPU always runs fp32)
+
+
+# ----------------------------------------------------------------------------------------------- sources
+def write_source_images(out_dir: Path, samples: int, partitions: int, short_side: int, seed: int) -> None:
+    """img2dataset-style tars of synthetic photos (`render` from encode.sample_data) at one size."""
+    from encode.sample_data import CAPTION_TEMPLATES, COLORS, SHAPES, SampleSpec, encode_image, render
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    names = list(COLORS)
+    width = round(short_side * SOURCE_ASPECT)
+    per_tar = -(-samples // partitions)
+    for part in range(partitions):
+        buffer = io.BytesIO()
+        with tarfile.open(fileobj=buffer, mode="w") as tar:
+            for index in range(part * per_tar, min(samples, (part + 1) * per_tar)):
+                fg, bg = rng.choice(names, size=2, replace=False)
+                shape = SHAPES[int(rng.integers(len(SHAPES)))]
+                caption = CAPTION_TEMPLATES[int(rng.integers(len(CAPTION_TEMPLATES)))].format(
+                    fg=fg, bg=bg, shape=shape
+                )
+                spec = SampleSpec(str(fg), str(bg), shape, width, short_side, caption)
+                image = encode_image(render(spec, rng), "JPEG", quality=JPEG_QUALITY)
+                meta = json.dumps({"caption": caption, "width": width, "height": short_side}).encode()
+                key = f"{part:05d}{index:04d}"
+                for ext, data in (("jpg", image), ("json", meta), ("txt", caption.encode())):
+                    _add_member(tar, f"{key}.{ext}", data)
+        (out_dir / f"{part:05d}.tar").write_bytes(buffer.getvalue())
+
+
+def _add_member(tar: tarfile.TarFile, name: str, data: bytes) -> None:
+    info = tarfile.TarInfo(name)
+    info.size = len(data)
+    tar.addfile(info, io.BytesIO(data))
+
+
+def build_source(out_dir: Path, plan: EncodeBenchConfig, seed: int) -> Path:
+    if plan.source_short_side:
+        write_source_images(out_dir, plan.samples, plan.partitions, plan.source_short_side, seed)
+    else:
+        from encode.sample_data import build_webdataset
+
+        build_webdataset(
+            out_dir, shards=plan.partitions, per_shard=-(-plan.samples // plan.partitions), seed=seed
+        )
+    return out_dir
+
+
+# ---------------------------------------------------------------------------------------------- encoders
+def bench_encoders(preset_name: str, setup: DeviceSetup) -> Encoders:
+    """The preset's VAE and text tower, random-initialised, placed as `encode.encoders.load_encoders` does."""
+    import torch
+
+    from encode.encoders import Encoders
+    from encode.plan import EncoderIds
+    from shared.models import build_text_encoder, build_vae
+    from shared.presets import get_preset
+
+    preset = random_init(get_preset(preset_name))
+    vae = build_vae(preset).to(setup.device)
+    if setup.channels_last:
+        vae.to(memory_format=torch.channels_last)
+    text = build_text_encoder(preset, "transformers").to(setup.device)
+    ids = EncoderIds(vae="bench-random-init", text="bench-random-init", tokenizer="bench-random-init")
+    return Encoders(preset, vae, text, setup.device, ENCODER_PRECISION, ids)
+
+
+def encode_config(
+    plan: EncodeBenchConfig, preset_name: str, source: Path, output: Path, setup: DeviceSetup
+) -> EncodeConfig:
+    from encode.config import EncodeConfig
+    from shared.config import load_config
+
+    overrides = [
+        f"source.uri={source}",
+        f"output.uri={output}",
+        f"preset={preset_name}",
+        f"transform.resolutions=[{','.join(str(r) for r in plan.resolutions)}]",
+        f"filter.min_size={min(plan.resolutions)}",
+        f"encoder.batch_size={plan.batch_size}",
+        f"encoder.device={setup.device}",
+        f"encoder.precision={ENCODER_PRECISION}",
+        f"workers={plan.workers}",
+        "progress=false",
+    ]
+    return load_config(EncodeConfig, plan.dataset, overrides, kind="datasets")
+
+
+# ------------------------------------------------------------------------------------------------ stages
+def prepare_all(cfg: EncodeConfig, encoders: Encoders) -> tuple[list[PreparedSample], float]:
+    """The worker stage alone, in this process: every kept sample of every partition, and the seconds."""
+    from encode.plan import plan_partitions, stage_fingerprints
+    from encode.prepare import PreparedSample, prepare_partition
+    from encode.sources import list_partitions
+    from shared.manifest import Layout
+
+    plans = plan_partitions(
+        list_partitions(cfg.source), stage_fingerprints(cfg, encoders.ids), Layout(cfg.output.uri), {}
+    )
+    start = time.perf_counter()
+    samples = [item for p in plans for item in prepare_partition(p, cfg) if isinstance(item, PreparedSample)]
+    return samples, time.perf_counter() - start
+
+
+def _batches(items: Sequence[Any], size: int) -> list[Sequence[Any]]:
+    return [items[i : i + size] for i in range(0, len(items), size)]
+
+
+def _time_batches(
+    run: Callable[[Sequence[Any]], Any], items: Sequence[Any], size: int, sync: Callable[[], None]
+) -> float:
+    """Seconds to run every batch, after one untimed warm-up batch."""
+    if not items:
+        return 0.0
+    run(items[:size])
+    sync()
+    start = time.perf_counter()
+    for batch in _batches(items, size):
+        run(batch)
+    sync()
+    return time.perf_counter() - start
+
+
+@dataclass(frozen=True)
+class StageRun:
+    kept: int  # samples that passed the filters
+    seconds: dict[str, float]  # stage -> seconds over all kept samples
+    vae_input_s: float  # of `vae`: converting the pixels to a float32 batch on the host, before the device
+
+
+def time_stages(
+    cfg: EncodeConfig, encoders: Encoders, plan: EncodeBenchConfig, setup: DeviceSetup
+) -> StageRun:
+    """Each stage alone over every kept sample: prepare (one process), VAE (all resolutions), text."""
+    samples, prepare_s = prepare_all(cfg, encoders)
+    vae_s = vae_input_s = 0.0
+    for res in plan.resolutions:
+        pixels = [s.pixels[res] for s in samples if res in s.pixels]
+        vae_s += _time_batches(encoders.encode_images, pixels, plan.batch_size, setup.sync)
+        vae_input_s += _time_batches(_model_input_batch, pixels, plan.batch_size, setup.sync)
+    captions = [s.text_input for s in samples]
+    text_s = _time_batches(encoders.encode_text, captions, plan.batch_size, setup.sync)
+    return StageRun(len(samples), {"prepare": prepare_s, "vae": vae_s, "text": text_s}, vae_input_s)
+
+
+def _model_input_batch(pixels: Sequence[np.ndarray]) -> np.ndarray:
+    """The host-side part of `Encoders.encode_images`: uint8 HWC -> one float32 NCHW batch in [-1, 1]."""
+    from encode.images import to_model_input
+
+    return np.stack([to_model_input(p) for p in pixels])
+
+
+# ---------------------------------------------------------------------------------------------- pipeline
+def time_pipeline(cfg: EncodeConfig, encoders: Encoders) -> tuple[float, int]:
+    """Seconds of one `run_rank` into a fresh output (nothing to reuse), and the samples it encoded."""
+    from encode.pipeline import RankInfo, run_rank
+    from encode.sources import list_partitions
+
+    before = encoders.texts_encoded
+    summary = run_rank(cfg, RankInfo(0, 1), encoders, list_partitions(cfg.source))
+    if summary.failed:
+        raise RuntimeError(f"encode bench: partitions failed: {summary.failed}")
+    return summary.seconds, encoders.texts_encoded - before  # each kept caption is encoded once
+
+
+def bench_encode(
+    plan: EncodeBenchConfig, preset_name: str, setup: DeviceSetup, work: Path, seed: int
+) -> dict[str, Any]:
+    """Samples/s of the real pipeline vs each stage alone, alternating them each repeat so both see the same
+    machine load; `images_per_s_per_device` is what the planner reads (samples encoded per second, every
+    resolution of a sample included)."""
+    source = build_source(work / "source", plan, seed)
+    encoders = bench_encoders(preset_name, setup)
+    stage_cfg = encode_config(plan, preset_name, source, work / "stages", setup)
+    stages, pipeline = [], []
+    for repeat in range(max(plan.repeats, 1)):
+        stages.append(time_stages(stage_cfg, encoders, plan, setup))
+        run_cfg = encode_config(plan, preset_name, source, work / f"encoded-{repeat}", setup)
+        pipeline.append(time_pipeline(run_cfg, encoders))
+    samples, kept = pipeline[0][1], stages[0].kept
+    if not samples or not kept:
+        raise ValueError(
+            "encode bench: no sample passed the filters; raise encode.source_short_side or samples"
+        )
+    stage_s = {name: statistics.median(run.seconds[name] for run in stages) for name in stages[0].seconds}
+    summary = summarize_encode(plan, samples, [s for s, _ in pipeline], kept, stage_s)
+    vae_input_s = statistics.median(run.vae_input_s for run in stages)
+    return summary | {"vae_input_share_of_vae": vae_input_s / stage_s["vae"] if stage_s["vae"] else 0.0}
+
+
+def summarize_encode(
+    plan: EncodeBenchConfig, samples: int, seconds: list[float], kept: int, stage_s: dict[str, float]
+) -> dict[str, Any]:
+    rate = samples / statistics.median(seconds)
+    stage_rates = {name: kept / s if s else float("inf") for name, s in stage_s.items()}
+    models_rate = kept / (stage_s["vae"] + stage_s["text"])
+    if plan.workers:
+        bound = min(stage_rates["prepare"] * plan.workers, models_rate)
+    else:  # no workers: preparing runs in the main process too, one after the other with the models
+        bound = kept / sum(stage_s.values())
+    slowest = min(stage_rates, key=lambda name: stage_rates[name])
+    return {
+        "images_per_s_per_device": rate,
+        "samples": samples,
+        "pipeline_s": seconds,
+        "resolutions": plan.resolutions,
+        "source_short_side": plan.source_short_side or "sample data (24-288 px)",
+        "batch_size": plan.batch_size,
+        "workers": plan.workers,
+        "stages_samples_per_s": stage_rates,
+        "models_serial_samples_per_s": models_rate,
+        "slowest_stage": slowest,
+        "bound_samples_per_s": bound,
+        "share_of_bound": rate / bound,
+        "share_of_slowest_stage": rate / stage_rates[slowest],
+    }
