@@ -23,8 +23,8 @@ from shared.config import load_config
 
 DEMO_PROMPTS = (
     "a red circle on a blue background",
-    "a yellow square on a black background",
-    "a green triangle on a white background",
+    "a yellow square on a green background",
+    "a white triangle on a black background",
     "a blue circle on a yellow background",
 )
 IMAGES_PER_PROMPT = 3
