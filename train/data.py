@@ -273,6 +273,7 @@ def build_dataloader(cfg: DataConfig, pinned: PinnedData, per_rank_batch: int, s
     from streaming import StreamingDataLoader
 
     dataset = build_dataset(cfg, pinned, per_rank_batch, seed)
+    check_one_batch_per_epoch(len(dataset), per_rank_batch, cfg)
     extra: dict[str, Any] = {}
     if cfg.num_workers > 0:
         extra = {"prefetch_factor": cfg.prefetch_factor, "persistent_workers": True}
@@ -284,6 +285,17 @@ def build_dataloader(cfg: DataConfig, pinned: PinnedData, per_rank_batch: int, s
         pin_memory=_cuda_available(),
         **extra,
     )
+
+
+def check_one_batch_per_epoch(rank_samples: int, per_rank_batch: int, cfg: DataConfig) -> None:
+    """Refuse data smaller than one batch: with drop_last every epoch would be empty and Composer would
+    count epochs forever without taking a step."""
+    if rank_samples < per_rank_batch:
+        raise DataError(
+            f"the {cfg.resolution} px data at {cfg.uri} gives each rank {rank_samples} samples, fewer than "
+            f"one per-rank batch of {per_rank_batch}, so no step could ever run; lower global_batch_size "
+            f"(and device_microbatch_size) or encode more data"
+        )
 
 
 def _cuda_available() -> bool:

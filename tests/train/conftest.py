@@ -184,8 +184,12 @@ def tiny_dataset(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def tiny_overrides(data: str, save: str | Path, cache: str | Path, *extra: str) -> list[str]:
-    """Overrides that make jobs/train/tiny.yaml run on a test dataset in a few seconds."""
-    return [f"data.uri={data}", f"save_folder={save}", f"data.cache_dir={cache}", *extra]
+    """Overrides that make jobs/train/tiny.yaml run on a test dataset in a few seconds (the yaml's batch of
+    32 is sized for the demo's learning; tests want several steps per epoch of a 64-row dataset)."""
+    return [
+        f"data.uri={data}", f"save_folder={save}", f"data.cache_dir={cache}",
+        "global_batch_size=8", "device_microbatch_size=4", *extra,
+    ]  # fmt: skip
 
 
 def tiny_config(data: str, save: str | Path, cache: str | Path, *extra: str) -> Any:

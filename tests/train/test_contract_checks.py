@@ -50,3 +50,11 @@ def test_cli_prints_the_error_without_a_traceback(tiny_dataset: str, tmp_path: P
     result = CliRunner().invoke(app, ["fit", "tiny", *args])
     assert result.exit_code == 2
     assert "no 128 px data" in result.output and "Traceback" not in result.output
+
+
+def test_data_smaller_than_one_batch_is_refused(tiny_dataset: str, tmp_path: Path) -> None:
+    # Every epoch would be empty with drop_last, and Composer would count epochs forever.
+    args = tiny_overrides(tiny_dataset, tmp_path / "save", tmp_path / "cache", "global_batch_size=128")
+    result = CliRunner().invoke(app, ["fit", "tiny", *args, "device_microbatch_size=16"])
+    assert result.exit_code == 2, result.output
+    assert "fewer than one per-rank batch of 128" in result.output and "global_batch_size" in result.output

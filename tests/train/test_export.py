@@ -54,7 +54,10 @@ def test_exported_encoders_and_scheduler_match_the_dataset(tiny_run: TinyRun, ex
     assert weights_fingerprint(pipe.text_encoder) == weights_fingerprint(text.model)
     assert pipe.vae.config.scaling_factor == manifest.scale_factor
     assert type(pipe.scheduler).__name__ == "DDIMScheduler"
-    assert pipe.scheduler.config.prediction_type == "epsilon"
+    model_cfg = tiny_run.cfg.model  # tiny.yaml: v-prediction with zero terminal SNR
+    assert pipe.scheduler.config.prediction_type == model_cfg.prediction_type == "v_prediction"
+    assert pipe.scheduler.config.rescale_betas_zero_snr is model_cfg.zero_terminal_snr is True
+    assert pipe.scheduler.config.timestep_spacing == "trailing"
     assert (pipe.scheduler.config.beta_start, pipe.scheduler.config.beta_end) == (0.00085, 0.012)
     assert pipe.unet.config.sample_size == 8  # 64 px / the tiny VAE's 8x downsampling
 

@@ -52,7 +52,7 @@ def test_checkpoint_records_dataset_model_and_encoders(tiny_run: TinyRun) -> Non
     assert record["dataset"]["resolution"] == 64
     assert record["encoders"] == manifest.fingerprints["encoders"]
     assert record["encoder_config"] == manifest.config["encoder"]
-    assert record["preset"] == "tiny" and record["model"]["prediction_type"] == "epsilon"
+    assert record["preset"] == "tiny" and record["model"]["prediction_type"] == "v_prediction"
     assert record["scale_factor"] == manifest.scale_factor
 
 
