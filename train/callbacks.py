@@ -80,8 +80,11 @@ class MetricsJSONL(LoggerDestination):
     """One JSON line per optimizer step: step, loss, lr, images/s (overall and per device), ETA, memory.
 
     Everything logged during a batch (loss during it, throughput and LR at its end) is collected and written
-    at that batch's checkpoint event, keyed by the number of batches done. After a resume, lines past the
-    resumed step (written by the crashed run) are dropped so each step appears once.
+    at that batch's end, keyed by the number of batches done. Composer runs logger destinations after the
+    other callbacks of an event, so at BATCH_END this sees the speed/LR/ETA values, and the line is on disk
+    before the CheckpointSaver (BATCH_CHECKPOINT) publishes that step: a kill between the two cannot lose
+    it. After a resume, lines past the resumed step (written by the crashed run) are dropped so each step
+    appears once.
     """
 
     def __init__(self, path: str):
@@ -100,7 +103,7 @@ class MetricsJSONL(LoggerDestination):
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._drop_lines_after(int(state.timestamp.batch))
 
-    def batch_checkpoint(self, state: State, logger: Logger) -> None:
+    def batch_end(self, state: State, logger: Logger) -> None:
         if dist.get_global_rank() != 0:
             return
         stamp = state.timestamp
