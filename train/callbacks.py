@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -169,6 +170,66 @@ class ArtifactMirror(Callback):
 
     def fit_end(self, state: State, logger: Logger) -> None:
         self.sync()
+
+
+# ----------------------------------------------------------------------------------------- retention
+_CHECKPOINT_NAME = re.compile(r"^ep\d+-ba(\d+)-rank\d+\.pt$")
+
+
+class RemoteCheckpointRetention(Callback):
+    """Keeps the newest `keep` checkpoints in an s3:// save folder and deletes older ones.
+
+    Composer's `save_num_checkpoints_to_keep` only prunes local copies. Runs on rank 0 at every checkpoint
+    event and once more after the trainer closed. Composer uploads in the background, so during training the
+    listing sees only finished uploads (a folder briefly holds keep + 1 checkpoints); after close every
+    upload is done (its uploader joins them at fit end, after the non-logger callbacks of that event ran,
+    hence `post_close` rather than `fit_end`). The checkpoint the `latest` pointer names is never deleted.
+    """
+
+    def __init__(self, save_folder: str, keep: int):
+        self.save_folder = save_folder
+        self.keep = keep
+        self.closed = False
+
+    def prune(self) -> list[str]:
+        """Delete the old checkpoints; returns their URIs."""
+        if dist.get_global_rank() != 0:
+            return []
+        from train.checkpoints import find_latest_checkpoint
+
+        by_batch: dict[int, list[str]] = {}
+        for info in storage.list_files(self.save_folder):
+            match = _CHECKPOINT_NAME.match(storage.relpath(info.uri, self.save_folder))
+            if match:
+                by_batch.setdefault(int(match.group(1)), []).append(info.uri)
+        latest = find_latest_checkpoint(self.save_folder)
+        old = sorted(by_batch)[: -self.keep]
+        doomed = [uri for batch in old for uri in by_batch[batch] if uri != latest]
+        for uri in doomed:
+            storage.delete(uri)
+        if doomed:
+            log.info("deleted %d old remote checkpoint file(s) from %s", len(doomed), self.save_folder)
+        return doomed
+
+    def prune_best_effort(self) -> None:
+        # Old checkpoints are only clutter: an S3 hiccup while pruning must not stop a training run.
+        try:
+            self.prune()
+        except storage.StorageError as err:
+            log.warning(
+                "could not prune old checkpoints in %s (will retry next checkpoint): %s",
+                self.save_folder,
+                err,
+            )
+
+    def batch_checkpoint(self, state: State, logger: Logger) -> None:
+        self.prune_best_effort()
+
+    def post_close(self) -> None:
+        # Composer may close an engine twice (explicitly, then at interpreter exit): prune once.
+        if not self.closed:
+            self.closed = True
+            self.prune_best_effort()
 
 
 def write_text_file(path: str, text: str) -> None:

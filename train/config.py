@@ -178,7 +178,10 @@ class TrainConfig:
     # Checkpoints: a local folder or s3://bucket/prefix.
     save_folder: str = ""
     save_interval: str = "2500ba"
-    save_num_checkpoints_to_keep: int = -1  # local copies kept (-1: all); remote copies are never deleted
+    save_num_checkpoints_to_keep: int = -1  # local copies kept (-1: all)
+    # Checkpoints kept in an s3:// save_folder (-1: all). Composer never deletes remote checkpoints; an
+    # SD2-base checkpoint with EMA and AdamW state is ~14 GB, so a long run keeps a few.
+    save_num_remote_checkpoints_to_keep: int = -1
     # Continue from the latest checkpoint in save_folder when there is one (else start / load load_path).
     autoresume: bool = True
     # A checkpoint file or a save folder (-> its latest) to start from when there is nothing to autoresume.
@@ -194,6 +197,11 @@ class TrainConfig:
             raise ConfigError("save_folder is empty: set it in the train YAML or pass save_folder=...")
         if self.load_weights_only and not self.load_path:
             raise ConfigError("load_weights_only=true needs load_path=<checkpoint file or save folder>")
+        if self.save_num_remote_checkpoints_to_keep == 0 or self.save_num_remote_checkpoints_to_keep < -1:
+            raise ConfigError(
+                "save_num_remote_checkpoints_to_keep must be >= 1 (the newest checkpoints kept) or -1 (all), "
+                f"got {self.save_num_remote_checkpoints_to_keep}"
+            )
         if self.fsdp and self.device == "cpu":
             raise ConfigError("fsdp=true needs GPUs; use device=auto/gpu or fsdp=false on CPU")
         if self.device == "cpu" and self.precision.startswith("amp"):

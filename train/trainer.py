@@ -227,7 +227,7 @@ def build_algorithms(ctx: RunContext) -> list[Any]:
 def build_callbacks(ctx: RunContext, model: DiffusionModel) -> list[Any]:
     from composer.callbacks import LRMonitor, MemoryMonitor, RuntimeEstimator, SpeedMonitor
 
-    from train.callbacks import ArtifactMirror, RunRecord
+    from train.callbacks import ArtifactMirror, RemoteCheckpointRetention, RunRecord
     from train.samples import SampleRenderer
 
     cfg = ctx.cfg
@@ -255,6 +255,9 @@ def build_callbacks(ctx: RunContext, model: DiffusionModel) -> list[Any]:
     if cfg.save_is_remote():
         restore = (METRICS_FILENAME,)
         callbacks.append(ArtifactMirror(ctx.local_dir, cfg.save_folder, cfg.save_interval, restore=restore))
+        keep = cfg.save_num_remote_checkpoints_to_keep
+        if keep > 0:
+            callbacks.append(RemoteCheckpointRetention(cfg.save_folder, keep))
     return callbacks
 
 

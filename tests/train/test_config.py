@@ -66,6 +66,7 @@ def test_run_name_is_stable_and_follows_save_folder() -> None:
         ("data.resolution=60", "multiple"),
         ("save_folder=", "save_folder"),
         ("optimizer.nesterov=true", "unknown key"),
+        ("save_num_remote_checkpoints_to_keep=0", "save_num_remote_checkpoints_to_keep"),
     ],
 )
 def test_bad_configs_name_the_fix(override: str, message: str) -> None:

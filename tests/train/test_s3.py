@@ -30,9 +30,12 @@ def test_train_from_s3_data_to_s3_checkpoints_then_resume_and_export(s3_prefix: 
 
     # Resume "on another machine": a fresh local folder; the remote metrics history is extended, not replaced.
     local2 = f"log.local_dir={tmp_path / 'local2'}"
-    second = fit(tiny_config(data, save, tmp_path / "cache2", "max_duration=6ba", local2, *common))
+    keep = "save_num_remote_checkpoints_to_keep=2"
+    second = fit(tiny_config(data, save, tmp_path / "cache2", "max_duration=6ba", local2, keep, *common))
     assert int(second.state.timestamp.batch) == 6  # continued from ba4, not from scratch
     assert find_latest_checkpoint(save) == f"{save}/ep2-ba6-rank0.pt"
+    remote = sorted(storage.relpath(f.uri, save) for f in storage.list_files(save) if f.uri.endswith(".pt"))
+    assert remote == ["ep1-ba4-rank0.pt", "ep2-ba6-rank0.pt"]  # ba2 pruned: Composer itself never would
     lines = storage.read_bytes(f"{save}/metrics.jsonl").decode().splitlines()
     assert [json.loads(line)["step"] for line in lines] == [1, 2, 3, 4, 5, 6]
 
