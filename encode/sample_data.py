@@ -283,7 +283,13 @@ class _Row:
     image: bytes | None
 
 
-def _shard_rows(shard: int, per_shard: int, seed: int, nsfw_column: bool = False) -> list[_Row]:
+def _shard_rows(
+    shard: int,
+    per_shard: int,
+    seed: int,
+    nsfw_column: bool = False,
+    size: tuple[int, int] | None = None,
+) -> list[_Row]:
     """`per_shard` successful samples plus a few failed downloads, interleaved like img2dataset's keys."""
     failures = per_shard // FAILED_DOWNLOAD_EVERY
     total = per_shard + failures
@@ -292,7 +298,7 @@ def _shard_rows(shard: int, per_shard: int, seed: int, nsfw_column: bool = False
     rows = []
     for index in range(total):
         rng = np.random.default_rng([seed, shard, index])
-        key, spec = _key(shard, index), _pick_spec(rng)
+        key, spec = _key(shard, index), _pick_spec(rng, size)
         if index in failed:
             rows.append(_Row(_failed_meta(key, spec), None))
             continue
@@ -337,16 +343,23 @@ def _dumps(obj: Any) -> bytes:
     return json.dumps(obj, sort_keys=True, indent=2).encode()
 
 
-def build_webdataset(out_dir: Path, shards: int = 4, per_shard: int = 128, seed: int = 0) -> list[Path]:
+def build_webdataset(
+    out_dir: Path,
+    shards: int = 4,
+    per_shard: int = 128,
+    seed: int = 0,
+    size: tuple[int, int] | None = None,
+) -> list[Path]:
     """img2dataset webdataset output: {shard:05d}.tar ({key}.jpg/.json/.txt), .parquet and _stats.json.
 
-    Each tar holds `per_shard` samples; the metadata parquet also lists a few failed downloads.
+    Each tar holds `per_shard` samples; the metadata parquet also lists a few failed downloads. Image
+    sizes vary (tiny to wide) unless `size` = (width, height) fixes them, e.g. for benchmarks.
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
     for shard in range(shards):
-        rows = _shard_rows(shard, per_shard, seed)
+        rows = _shard_rows(shard, per_shard, seed, size=size)
         members = []
         for row in rows:
             if row.image is not None:

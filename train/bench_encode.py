@@ -9,10 +9,7 @@ min(workers x worker rate, 1 / (VAE + text seconds per sample)).
 
 from __future__ import annotations
 
-import io
-import json
 import statistics
-import tarfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -31,53 +28,19 @@ if TYPE_CHECKING:
     from train.bench_step import DeviceSetup
 
 SOURCE_ASPECT = 4 / 3  # landscape photos: the long side is 4/3 of the short one (LAION's most common shape)
-JPEG_QUALITY = 90
 ENCODER_PRECISION = "bf16"  # encode's default GPU inference precision (CPU always runs fp32)
 
 
 # ----------------------------------------------------------------------------------------------- sources
-def write_source_images(out_dir: Path, samples: int, partitions: int, short_side: int, seed: int) -> None:
-    """img2dataset-style tars of synthetic photos (`render` from encode.sample_data) at one size."""
-    from encode.sample_data import CAPTION_TEMPLATES, COLORS, SHAPES, SampleSpec, encode_image, render
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(seed)
-    names = list(COLORS)
-    width = round(short_side * SOURCE_ASPECT)
-    per_tar = -(-samples // partitions)
-    for part in range(partitions):
-        buffer = io.BytesIO()
-        with tarfile.open(fileobj=buffer, mode="w") as tar:
-            for index in range(part * per_tar, min(samples, (part + 1) * per_tar)):
-                fg, bg = rng.choice(names, size=2, replace=False)
-                shape = SHAPES[int(rng.integers(len(SHAPES)))]
-                caption = CAPTION_TEMPLATES[int(rng.integers(len(CAPTION_TEMPLATES)))].format(
-                    fg=fg, bg=bg, shape=shape
-                )
-                spec = SampleSpec(str(fg), str(bg), shape, width, short_side, caption)
-                image = encode_image(render(spec, rng), "JPEG", quality=JPEG_QUALITY)
-                meta = json.dumps({"caption": caption, "width": width, "height": short_side}).encode()
-                key = f"{part:05d}{index:04d}"
-                for ext, data in (("jpg", image), ("json", meta), ("txt", caption.encode())):
-                    _add_member(tar, f"{key}.{ext}", data)
-        (out_dir / f"{part:05d}.tar").write_bytes(buffer.getvalue())
-
-
-def _add_member(tar: tarfile.TarFile, name: str, data: bytes) -> None:
-    info = tarfile.TarInfo(name)
-    info.size = len(data)
-    tar.addfile(info, io.BytesIO(data))
-
-
 def build_source(out_dir: Path, plan: EncodeBenchConfig, seed: int) -> Path:
-    if plan.source_short_side:
-        write_source_images(out_dir, plan.samples, plan.partitions, plan.source_short_side, seed)
-    else:
-        from encode.sample_data import build_webdataset
+    """img2dataset-style tars of synthetic photos: the sample data's mix of sizes, or all one size."""
+    from encode.sample_data import build_webdataset
 
-        build_webdataset(
-            out_dir, shards=plan.partitions, per_shard=-(-plan.samples // plan.partitions), seed=seed
-        )
+    size = None
+    if plan.source_short_side:
+        size = (round(plan.source_short_side * SOURCE_ASPECT), plan.source_short_side)
+    per_shard = -(-plan.samples // plan.partitions)
+    build_webdataset(out_dir, shards=plan.partitions, per_shard=per_shard, seed=seed, size=size)
     return out_dir
 
 

@@ -24,7 +24,6 @@ import argparse
 import hashlib
 import json
 import math
-import tarfile
 import tempfile
 import time
 from dataclasses import dataclass
@@ -34,8 +33,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from encode.config import SourceConfig
 from encode.images import decode_rgb, resize_center_crop
 from encode.sample_data import build_webdataset
+from encode.sources import RawSample, read_webdataset
 from shared.presets import ASSETS, TINY_VAE
 
 WEIGHTS_NAME = "tiny_vae.safetensors"
@@ -88,9 +89,9 @@ class ImageSets:
 
 # ------------------------------------------------------------------------------------------------ data
 def read_tar_images(tar_path: Path) -> list[bytes]:
-    """The encoded bytes of every .jpg member of one img2dataset webdataset tar, in member order."""
-    with tarfile.open(tar_path) as tar:
-        return [tar.extractfile(m).read() for m in tar.getmembers() if m.name.endswith(".jpg")]
+    """The image bytes of every sample of one webdataset tar, in order, read by encode's own reader."""
+    samples = read_webdataset(str(tar_path), SourceConfig())
+    return [s.image for s in samples if isinstance(s, RawSample) and s.image]
 
 
 def sample_images(seed: int, shards: int = SHARDS, per_shard: int = PER_SHARD) -> ImageSets:

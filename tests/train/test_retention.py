@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
+
 from train.callbacks import RemoteCheckpointRetention
 
 
@@ -24,28 +26,22 @@ def names(root: Path) -> list[str]:
     return sorted(p.name for p in root.iterdir())
 
 
-def test_keeps_the_newest_and_deletes_the_rest(tmp_path: Path) -> None:
-    make_folder(tmp_path / "run", [2, 4, 6, 8, 10], latest=10)
-    deleted = RemoteCheckpointRetention(str(tmp_path / "run"), keep=2).prune()
-    assert len(deleted) == 3
-    assert names(tmp_path / "run") == [
-        "ep2-ba10-rank0.pt",
-        "ep2-ba8-rank0.pt",
-        "latest-rank0.pt",
-        "metrics.jsonl",
-    ]
-
-
-def test_never_deletes_what_latest_points_to(tmp_path: Path) -> None:
-    # E.g. a run restarted from an older checkpoint with save_overwrite: latest is not the highest batch.
-    make_folder(tmp_path / "run", [2, 4, 6], latest=2)
-    RemoteCheckpointRetention(str(tmp_path / "run"), keep=1).prune()
-    assert names(tmp_path / "run") == [
-        "ep0-ba2-rank0.pt",
-        "ep1-ba6-rank0.pt",
-        "latest-rank0.pt",
-        "metrics.jsonl",
-    ]
+@pytest.mark.parametrize(
+    ("batches", "latest", "keep", "left"),
+    [
+        ([2, 4, 6, 8, 10], 10, 2, ["ep2-ba10-rank0.pt", "ep2-ba8-rank0.pt"]),
+        # A run restarted from an older checkpoint with save_overwrite: latest is not the highest batch.
+        ([2, 4, 6], 2, 1, ["ep0-ba2-rank0.pt", "ep1-ba6-rank0.pt"]),
+    ],
+    ids=["keeps-the-newest", "never-deletes-latest"],
+)
+def test_prune_keeps_the_newest_and_what_latest_points_to(
+    tmp_path: Path, batches: list[int], latest: int, keep: int, left: list[str]
+) -> None:
+    make_folder(tmp_path / "run", batches, latest)
+    deleted = RemoteCheckpointRetention(str(tmp_path / "run"), keep).prune()
+    assert len(deleted) == len(batches) - len(left)
+    assert names(tmp_path / "run") == [*left, "latest-rank0.pt", "metrics.jsonl"]
 
 
 def test_fewer_than_keep_deletes_nothing(tmp_path: Path) -> None:
