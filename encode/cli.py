@@ -1,4 +1,4 @@
-"""`python -m encode run|finalize|gc DATASET [key=value ...]`: thin wrappers over the library."""
+"""`python -m encode run|finalize|gc|launch|sample-data ...`: thin wrappers over the library."""
 
 from __future__ import annotations
 
@@ -9,10 +9,14 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
+from pathlib import Path
 
 import typer
 
 from encode.config import EncodeConfig
+from encode.launch import launch_command
+from encode.sample_data import BUILDERS
+from encode.sample_data import build as build_sample_data
 from shared.config import ConfigError, load_config
 
 app = typer.Typer(
@@ -132,22 +136,37 @@ def gc(
     overrides: list[str] = typer.Argument(None, help=OVERRIDES_HELP),
     keep: int = typer.Option(1, help="how many newest versions to keep (the current one always stays)"),
     dry_run: bool = typer.Option(False, "--dry-run", help="list what would be deleted, delete nothing"),
+    force: bool = typer.Option(False, "--force", help="also delete versions running jobs hold leases on"),
 ) -> None:
-    """Delete old dataset versions and partition outputs that no kept version uses."""
-    from encode.finalize import collect_garbage
+    """Delete old dataset versions and partition outputs that no kept or leased version uses."""
+    from encode.finalize import collect_garbage, describe_gc
     from shared.manifest import Layout
 
     cfg = load(dataset, overrides)
     with user_errors():
-        report = collect_garbage(Layout(cfg.output.uri), keep=keep, dry_run=dry_run)
-    verb = "would delete" if dry_run else "deleted"
-    typer.echo(f"kept versions: {', '.join(report.kept_versions)}")
-    typer.echo(
-        f"{verb} {len(report.deleted_versions)} versions, {len(report.deleted_partition_dirs)} "
-        f"partition folders, {report.deleted_markers} done-markers"
-    )
-    for name in report.deleted_partition_dirs:
-        typer.echo(f"  {name}")
+        report = collect_garbage(Layout(cfg.output.uri), keep=keep, dry_run=dry_run, force=force)
+    typer.echo("\n".join(describe_gc(report, dry_run)))
+
+
+@app.command("sample-data")
+def sample_data(
+    out: Path = typer.Option(..., "--out", help="root folder; data goes to OUT/<format>"),
+    fmt: str = typer.Option("webdataset", "--format", help="webdataset, parquet or folder"),
+    shards: int | None = typer.Option(None, help="webdataset/parquet: number of shards"),
+    per_shard: int | None = typer.Option(None, help="webdataset/parquet: samples per shard"),
+    seed: int | None = typer.Option(None),
+) -> None:
+    """Build the bundled synthetic sample dataset (what `make demo` encodes); prints its source.uri."""
+    if fmt not in BUILDERS:
+        typer.echo(f"error: --format {fmt} is not one of {', '.join(BUILDERS)}", err=True)
+        raise typer.Exit(2)
+    typer.echo(str(build_sample_data(fmt, out, shards, per_shard, seed)))
+
+
+# Light (no torch, no composer): planning a 256-GPU launch answers instantly.
+app.command("launch", help="Plan and launch encode ranks on local / Slurm / Kubernetes (see --dry-run).")(
+    launch_command
+)
 
 
 def main() -> None:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from shared.config import ConfigError
+from shared.contract import TOKEN_ID_LIMIT
 from shared.presets import get_preset
 
 SourceFormat = Literal["auto", "webdataset", "parquet", "folder"]
@@ -35,6 +36,18 @@ class SourceConfig:
     folder_partitions: int = 16
     # Encode only the first N partitions (a quick try on a huge dataset); None: all.
     max_partitions: int | None = None
+    # Byte budgets, so a small hostile input cannot exhaust a worker's memory. A sample whose image,
+    # caption and metadata together exceed max_sample_bytes is skipped unread ("sample_too_large"; one
+    # file alone over it: "file_too_large"); tar members of extensions the sample does not use are never
+    # read. Real web images are a few MB; 64 MiB leaves room for large PNGs.
+    max_sample_bytes: int = 64 << 20
+    # parquet: a row group whose uncompressed size (from the file's metadata, checked before reading it)
+    # exceeds this is skipped with all its rows ("row_group_too_large"). Reading takes ~3x this in memory.
+    max_row_group_bytes: int = 1 << 30
+    # Stored (raw) captions are cut to this many characters, never rejected: the text encoder reads 77
+    # tokens (~300 characters of English), so the cut loses nothing the model sees, while rejecting would
+    # lose the image. 4x caption.max_chars leaves room for the entities and whitespace cleaning removes.
+    max_caption_chars: int = 4096
 
 
 @dataclass
@@ -47,6 +60,10 @@ class FilterConfig:
     max_pwatermark: float | None = 0.5  # LAION-2B/5B `pwatermark`
     drop_nsfw_tags: list[str] = field(default_factory=lambda: ["NSFW"])  # LAION-400M `NSFW` column
     min_similarity: float | None = None  # LAION `similarity` (CLIP image-text score), e.g. 0.28
+    # A sample with no usable punsafe / pwatermark value (absent, null, NaN, not a number) while that check
+    # is enabled: "admit" keeps it and counts it in the manifest's `extra.admitted_unchecked` under
+    # `punsafe_missing` / `pwatermark_missing`; "reject" (fail closed) drops it under the same reason.
+    missing_safety: Literal["admit", "reject"] = "admit"
     # Decompression-bomb guard: images whose header claims more pixels than this are skipped, undecoded.
     max_pixels: int = 8192 * 8192
     min_caption_chars: int = 1  # after cleaning
@@ -56,6 +73,16 @@ class FilterConfig:
 class CaptionConfig:
     clean: bool = True  # unescape HTML entities, drop control characters, collapse whitespace
     max_chars: int = 1024  # longer captions are cut (the tokenizer keeps 77 tokens anyway)
+
+
+@dataclass
+class TextConfig:
+    # What is stored per sample for its caption (both keep the raw caption column):
+    # - embeddings: the text tower's output, 77 x 1024 fp16 at SD2 (157,696 B; ~90% of a 256 px row);
+    # - tokens: only the tokenizer's 77 ids as uint16 (154 B); train runs the frozen text tower the
+    #   manifest names inside each step (~45 GFLOP/sample at SD2: +8% compute at 256 px, +2% at 512 px).
+    # `make estimate` prices both. Switching re-encodes only the text side; latents are reused.
+    store: Literal["embeddings", "tokens"] = "embeddings"
 
 
 @dataclass
@@ -75,7 +102,12 @@ class EncoderConfig:
     open_clip_checkpoint: str | None = None  # for text_backend=open_clip with real weights
     device: str = "auto"  # auto: cuda if present, else cpu
     # Inference precision on GPU (CPU always runs fp32); outputs are stored as float16 either way.
-    precision: Literal["fp32", "fp16", "bf16"] = "bf16"
+    # fp16, not bf16: training samples latent = mean + std * noise, so an error in the mean matters in
+    # units of the posterior std. Measured against fp32 on the sample data (trained tiny VAE, 64/128 px,
+    # 208/183 images, autocast; `latent_precision` in `make bench`): bf16 (8-bit mantissa: ~0.016 rounding
+    # near 5) moved the mean by up to 0.036 = 3.0-6.6 posterior stds, 16-24% of values by > 0.1 std;
+    # fp16 by up to 0.0035 = 0.27-0.43 std, 0.1-0.14% of values by > 0.1 std, nothing overflowed.
+    precision: Literal["fp32", "fp16", "bf16"] = "fp16"
     batch_size: int = 32
 
 
@@ -84,6 +116,10 @@ class OutputConfig:
     uri: str = ""  # local folder or s3://bucket/prefix
     compression: str | None = None  # MDS shard compression, e.g. zstd (latents compress poorly)
     shard_size_limit: int = 1 << 27  # bytes per MDS shard before it rolls over
+    # Finished partitions waiting for (or in) their upload + done-marker on a background thread while the
+    # next partition encodes; each holds its staged shards on local disk until published. 0: publish
+    # synchronously (the GPU idles during every upload).
+    max_pending_uploads: int = 1
 
 
 @dataclass
@@ -93,6 +129,7 @@ class EncodeConfig:
     source: SourceConfig = field(default_factory=SourceConfig)
     filter: FilterConfig = field(default_factory=FilterConfig)
     caption: CaptionConfig = field(default_factory=CaptionConfig)
+    text: TextConfig = field(default_factory=TextConfig)
     transform: TransformConfig = field(default_factory=TransformConfig)
     encoder: EncoderConfig = field(default_factory=EncoderConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
@@ -115,7 +152,31 @@ class EncodeConfig:
                 )
         if len(set(self.transform.resolutions)) != len(self.transform.resolutions):
             raise ConfigError(f"transform.resolutions repeats a value: {self.transform.resolutions}")
+        if self.text.store not in ("embeddings", "tokens"):
+            raise ConfigError(f"text.store is {self.text.store!r}; use embeddings or tokens")
+        if self.text.store == "tokens" and int(preset.text["vocab_size"]) > TOKEN_ID_LIMIT:
+            raise ConfigError(
+                f"text.store=tokens stores uint16 ids but preset {self.preset}'s vocabulary has "
+                f"{preset.text['vocab_size']} entries; use text.store=embeddings"
+            )
+        if self.filter.missing_safety not in ("admit", "reject"):
+            raise ConfigError(f"filter.missing_safety is {self.filter.missing_safety!r}; use admit or reject")
+        src = self.source
+        if min(src.max_sample_bytes, src.max_row_group_bytes, src.max_caption_chars) < 1:
+            raise ConfigError(
+                "source.max_sample_bytes, source.max_row_group_bytes and source.max_caption_chars "
+                "must be >= 1"
+            )
+        if src.max_caption_chars < self.caption.max_chars:
+            raise ConfigError(
+                f"source.max_caption_chars ({src.max_caption_chars}) is below caption.max_chars "
+                f"({self.caption.max_chars}); raise source.max_caption_chars or lower caption.max_chars"
+            )
         if self.filter.max_aspect_ratio < 1:
             raise ConfigError("filter.max_aspect_ratio must be >= 1 (longer side / shorter side)")
+        if self.output.max_pending_uploads < 0:
+            raise ConfigError(
+                "output.max_pending_uploads must be >= 0 (0: publish each partition synchronously)"
+            )
         if self.encoder.batch_size < 1 or self.workers < 0:
             raise ConfigError("encoder.batch_size must be >= 1 and workers >= 0")

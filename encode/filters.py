@@ -2,7 +2,9 @@
 
 Every check returns a short snake_case reason (the key samples are counted under) or None to keep the
 sample. Metadata checks only act on fields that are present and numeric: not every dataset carries LAION's
-safety and watermark scores, and a dataset without them must not lose every sample.
+safety and watermark scores, and a dataset without them must not lose every sample. A sample passed only
+because a safety score is missing is never silent: it is counted (`missing_safety_reasons`), or rejected
+with `filter.missing_safety=reject`.
 """
 
 from __future__ import annotations
@@ -79,6 +81,20 @@ def metadata_reject_reason(meta: dict[str, Any], cfg: FilterConfig) -> str | Non
     if cfg.min_similarity is not None and similarity is not None and similarity < cfg.min_similarity:
         return "low_similarity"
     return None
+
+
+def missing_safety_reasons(meta: dict[str, Any], cfg: FilterConfig) -> list[str]:
+    """`punsafe_missing` / `pwatermark_missing` for each enabled safety check the sample has no value for.
+
+    Those checks pass such a sample (a dataset without the scores must not lose every sample); the caller
+    counts it under these reasons, or rejects it when `cfg.missing_safety` is "reject".
+    """
+    checks = (("punsafe", cfg.max_punsafe), ("pwatermark", cfg.max_pwatermark))
+    return [
+        f"{name}_missing"
+        for name, limit in checks
+        if limit is not None and _number(_lookup(meta, name)) is None
+    ]
 
 
 def size_reject_reason(width: int, height: int, cfg: FilterConfig) -> str | None:

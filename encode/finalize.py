@@ -3,21 +3,27 @@
 Publishing writes, in order: each resolution's merged index under versions/<vid>/, that version's manifest,
 the current per-resolution index, metrics.json, and last the root manifest.json (the commit point). Earlier
 versions and their partition folders are left alone until `encode gc`, so a training job streaming an older
-version keeps working while a new one is encoded and published.
+version keeps working while a new one is encoded and published; gc also keeps every version a running job
+holds an unexpired lease on (shared/leases.py, written by train/lease.py) unless `--force`.
+
+Publishing never drops a finished partition: a done-marker that cannot be read stops it with an error
+naming the marker. gc deletes only what it listed inside the dataset root (encode/integrity.py).
 """
 
 from __future__ import annotations
 
 import copy
 import logging
+import time
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
 from encode.config import EncodeConfig
 from encode.encoders import Encoders
+from encode.integrity import is_inside, is_output_dir, is_version_id, marker_location
 from encode.plan import (
     IMAGE_CODE_VERSION,
     SELECT_CODE_VERSION,
@@ -26,14 +32,16 @@ from encode.plan import (
     PartitionPlan,
     StageFingerprints,
     list_markers,
-    load_markers,
     plan_partitions,
+    read_markers,
     stage_fingerprints,
 )
 from encode.sources import list_partitions
 from shared import storage
 from shared.config import config_to_dict
-from shared.manifest import INDEX_NAME, DatasetManifest, Layout, ResolutionInfo, fingerprint, read_manifest
+from shared.encoders import TOKENS
+from shared.leases import live_leases
+from shared.manifest import DatasetManifest, Layout, ResolutionInfo, fingerprint, read_manifest
 
 log = logging.getLogger("encode")
 UNFINISHED_SHOWN = 10
@@ -41,6 +49,22 @@ UNFINISHED_SHOWN = 10
 
 class NotFinishedError(RuntimeError):
     """Some partitions have no done-marker for the current config yet."""
+
+
+class UnreadableMarkersError(NotFinishedError):
+    """Some finished partitions' done-markers cannot be used: a version without them would drop their data."""
+
+    def __init__(self, unreadable: dict[str, str]) -> None:
+        shown = sorted(unreadable.items())[:UNFINISHED_SHOWN]
+        lines = "\n".join(f"  {uri}: {reason}" for uri, reason in shown)
+        more = f"\n  ... and {len(unreadable) - len(shown)} more" if len(unreadable) > len(shown) else ""
+        partitions = sorted({marker_location(uri)[0] for uri in unreadable})
+        super().__init__(
+            f"{len(unreadable)} done-markers cannot be read, so partitions {', '.join(partitions[:10])} "
+            f"would be missing from the new version; nothing was published:\n{lines}{more}\n"
+            "Delete these marker files and rerun `make encode` (it redoes only those partitions)."
+        )
+        self.unreadable = unreadable
 
 
 @dataclass
@@ -64,7 +88,10 @@ def require_all_done(plans: Sequence[PartitionPlan]) -> list[DoneMarker]:
             f"{len(missing)} of {len(plans)} partitions are not encoded for this config yet ({shown}); "
             "wait for running ranks, or rerun `make encode` (it redoes only unfinished partitions)"
         )
-    return load_markers([p.done_uri for p in plans if p.done_uri])
+    reads = read_markers([p.done_uri for p in plans if p.done_uri])
+    if reads.unreadable:
+        raise UnreadableMarkersError(reads.unreadable)
+    return reads.markers
 
 
 def merged_index(markers: Sequence[DoneMarker], resolution: int) -> dict[str, Any]:
@@ -99,14 +126,17 @@ def build_manifest(
         outs = [m.outputs.get(res, {}) for m in markers]
         resolutions[res] = ResolutionInfo(
             num_samples=sum(o.get("num_samples", 0) for o in outs),
-            shapes=encoders.shapes(res),
+            shapes=encoders.shapes(res, cfg.text.store),
             bytes=sum(o.get("bytes", 0) for o in outs),
             smaller_than_resolution=sum(m.smaller_than_resolution.get(res, 0) for m in markers),
             fingerprint=fingerprint([stages.image[res], [o.get("dir") for o in outs]]),
         )
+    identity = encoders.identity(cfg)
     rejected: Counter[str] = Counter()
+    unchecked: Counter[str] = Counter()
     for marker in markers:
         rejected.update(marker.rejected)
+        unchecked.update(marker.admitted_unchecked)
     return DatasetManifest(
         version=vid,
         created=datetime.now(UTC).isoformat(timespec="seconds"),
@@ -120,11 +150,7 @@ def build_manifest(
             "select": stages.select,
             "text": stages.text,
             "image": {str(r): fp for r, fp in stages.image.items()},
-            "encoders": {
-                "vae": encoders.ids.vae,
-                "text": encoders.ids.text,
-                "tokenizer": encoders.ids.tokenizer,
-            },
+            "encoders": identity.fingerprints(),
             "code_versions": {
                 "select": SELECT_CODE_VERSION,
                 "text": TEXT_CODE_VERSION,
@@ -132,6 +158,8 @@ def build_manifest(
             },
         },
         empty_caption_embedding=encoders.empty_caption_embedding(),
+        encoder=identity,
+        empty_caption_tokens=encoders.empty_caption_tokens() if identity.text_store == TOKENS else None,
         partitions=[
             {
                 "id": m.partition,
@@ -141,6 +169,8 @@ def build_manifest(
             for m in markers
         ],
         config=config_to_dict(cfg),
+        # kept although a safety check had no score to test (filter.missing_safety=admit)
+        extra={"admitted_unchecked": dict(sorted(unchecked.items()))},
     )
 
 
@@ -190,6 +220,7 @@ def dataset_metrics(manifest: DatasetManifest, markers: Sequence[DoneMarker]) ->
         "version": manifest.version,
         "samples_read": manifest.samples_read,
         "rejected": manifest.rejected,
+        "admitted_unchecked": manifest.extra.get("admitted_unchecked", {}),
         "resolutions": per_res,
         "text_encoded": sum(m.encoded["text"] for m in markers),
         "text_reused": sum(m.reused["text"] for m in markers),
@@ -203,32 +234,52 @@ class GcReport:
     deleted_versions: list[str]
     deleted_partition_dirs: list[str]
     deleted_markers: int
+    # done-markers that cannot be read (uri -> reason): left in place, with the data they may name
+    unreadable_markers: dict[str, str] = field(default_factory=dict)
+    # listed paths that resolve outside the dataset root (links): never deleted
+    refused: list[str] = field(default_factory=list)
+    # version -> the jobs holding an unexpired lease on it (shared/leases.py)
+    leased: dict[str, list[str]] = field(default_factory=dict)
+    # leased versions deleted anyway (--force)
+    forced: list[str] = field(default_factory=list)
 
 
 def list_versions(layout: Layout) -> list[str]:
-    """Published version ids, newest first (ids start with a UTC timestamp)."""
+    """Published version ids, newest first (ids start with a UTC timestamp); other names are ignored."""
     prefix = storage.join(layout.root, "versions")
     vids = {storage.relpath(info.uri, prefix).split("/")[0] for info in storage.list_files(prefix)}
-    return sorted(vids, reverse=True)
+    return sorted((v for v in vids if is_version_id(v)), reverse=True)
 
 
-def collect_garbage(layout: Layout, keep: int = 1, dry_run: bool = False) -> GcReport:
+def collect_garbage(
+    layout: Layout, keep: int = 1, dry_run: bool = False, force: bool = False, now: float | None = None
+) -> GcReport:
     """Delete versions beyond the `keep` newest (the current one always stays) and unreferenced data.
 
+    A version a training job holds an unexpired lease on (it streams it) is kept too, unless `force`.
+
     Partition folders and done-markers newer than the current version are kept: they belong to an encode
-    run in progress or not yet finalized. Do not run gc while a training job streams a version being
-    deleted; that is the point of keeping it until you ask.
+    run in progress or not yet finalized. Only what the listing found inside the dataset root is deleted,
+    by the URI it was found at: nothing a marker's contents name is ever turned into a path to delete.
     """
     current = read_manifest(layout.root)
     versions = list_versions(layout)
     older = [v for v in versions if v != current.version]
     kept = [current.version, *older[: max(keep - 1, 0)]]
+    leases = live_leases(layout.root, now)
+    clock = time.time() if now is None else now
+    leased = {v: [lease.describe(clock) for lease in leases[v]] for v in versions if v in leases}
+    held = [v for v in older if v in leased and v not in kept]
+    if not force:
+        kept += held
     manifests = [read_manifest(layout.root, v) for v in kept]
     wanted_dirs = {(int(r), d) for m in manifests for p in m.partitions for r, d in p["dirs"].items() if d}
     wanted_recipes = {(p["id"], p["recipe"]) for m in manifests for p in m.partitions}
-    deleted_markers = 0
-    listed = list_markers(layout)
-    for marker in load_markers([uri for recipes in listed.values() for uri in recipes.values()]):
+    listed = [uri for recipes in list_markers(layout).values() for uri in recipes.values()]
+    reads = read_markers(listed)
+    by_location = {marker_location(uri): uri for uri in listed}
+    deleted_markers, refused = 0, []
+    for marker in reads.markers:
         if (marker.partition, marker.recipe) in wanted_recipes:
             continue
         if marker.finished > current.created:  # in-progress work of a newer run
@@ -236,26 +287,59 @@ def collect_garbage(layout: Layout, keep: int = 1, dry_run: bool = False) -> GcR
             continue
         deleted_markers += 1
         if not dry_run:  # marker first: a crash mid-gc never leaves a marker naming deleted data
-            storage.delete(layout.done_marker(marker.partition, marker.recipe))
-    deleted_dirs = _delete_unwanted_dirs(layout, current, wanted_dirs, dry_run)
+            _delete_inside(layout, by_location[(marker.partition, marker.recipe)], False, refused)
+    for uri in reads.unreadable:
+        log.warning("gc leaves unreadable done-marker %s alone (delete it by hand once checked)", uri)
+    deleted_dirs = _delete_unwanted_dirs(layout, current, wanted_dirs, dry_run, refused)
     stale = [v for v in versions if v not in kept]
     if not dry_run:
         for vid in stale:
-            storage.delete_tree(layout.version_dir(vid))
-    return GcReport(kept, stale, deleted_dirs, deleted_markers)
+            _delete_inside(layout, layout.version_dir(vid), True, refused)
+    forced = held if force else []
+    return GcReport(kept, stale, deleted_dirs, deleted_markers, reads.unreadable, refused, leased, forced)
+
+
+def describe_gc(report: GcReport, dry_run: bool) -> list[str]:
+    """What `encode gc` prints: kept versions (and which job leases each), then what went."""
+    verb = "would delete" if dry_run else "deleted"
+    lines = [f"kept versions: {', '.join(report.kept_versions)}"]
+    for vid, jobs in sorted(report.leased.items()):
+        state = "DELETED despite --force" if vid in report.forced else "kept"
+        lines += [f"  {vid} {state}: leased by {job}" for job in jobs]
+    lines.append(
+        f"{verb} {len(report.deleted_versions)} versions, {len(report.deleted_partition_dirs)} "
+        f"partition folders, {report.deleted_markers} done-markers"
+    )
+    lines += [f"  {name}" for name in report.deleted_partition_dirs]
+    lines += [
+        f"left alone (unreadable done-marker): {uri}: {why}" for uri, why in report.unreadable_markers.items()
+    ]
+    lines += [f"left alone (outside the dataset root): {uri}" for uri in report.refused]
+    return lines
 
 
 def _delete_unwanted_dirs(
-    layout: Layout, current: DatasetManifest, wanted: set[tuple[int, str]], dry_run: bool
+    layout: Layout, current: DatasetManifest, wanted: set[tuple[int, str]], dry_run: bool, refused: list[str]
 ) -> list[str]:
+    """Partition output folders (by encode's own naming) that no kept version or newer marker uses."""
     deleted = []
     for res in current.resolutions:
         root = layout.stream_root(res)
         dirs = {storage.relpath(i.uri, root).split("/")[0] for i in storage.list_files(root)}
-        for dirname in sorted(dirs - {INDEX_NAME}):
+        for dirname in sorted(d for d in dirs if is_output_dir(d)):
             if (res, dirname) in wanted:
                 continue
             deleted.append(f"{res}/{dirname}")
             if not dry_run:
-                storage.delete_tree(layout.partition_output(res, dirname))
+                _delete_inside(layout, layout.partition_output(res, dirname), True, refused)
     return deleted
+
+
+def _delete_inside(layout: Layout, uri: str, tree: bool, refused: list[str]) -> None:
+    """Delete `uri` (a file, or a folder with `tree`) only if it lies inside the dataset root (a link
+    leading out of it, or a planted name, is left alone and reported in `refused`)."""
+    if not is_inside(layout.root, uri):
+        log.warning("gc leaves %s alone: it is not inside the dataset root %s", uri, layout.root)
+        refused.append(uri)
+        return
+    (storage.delete_tree if tree else storage.delete)(uri)

@@ -10,7 +10,8 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections import Counter
+from collections import Counter, deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -94,7 +95,9 @@ class PartitionBatcher:
         todo = [i for i, s in enumerate(batch) if s.text_embedding is None]
         out: list[np.ndarray | None] = [s.text_embedding for s in batch]
         if todo:
-            encoded = self.encoders.encode_text([batch[i].text_input for i in todo])
+            encoded = self.encoders.encode_text(
+                [batch[i].text_input for i in todo], self.writer.cfg.text.store
+            )
             for i, emb in zip(todo, encoded, strict=True):
                 out[i] = emb
         self.writer.count("text", reused=False, n=len(todo))
@@ -126,7 +129,7 @@ def encode_partitions(
     """Run the worker stream and write every partition in `plans`, publishing each as it completes."""
     import torch.utils.data
 
-    shapes = {res: encoders.shapes(res) for res in cfg.transform.resolutions}
+    shapes = {res: encoders.shapes(res, cfg.text.store) for res in cfg.transform.resolutions}
     by_id = {p.partition.id: p for p in plans}
     open_batchers: dict[str, PartitionBatcher] = {}
     loader = torch.utils.data.DataLoader(
@@ -137,31 +140,83 @@ def encode_partitions(
         prefetch_factor=4 if cfg.workers else None,
     )
     progress = Progress(len(plans), enabled=cfg.progress)
-    for item in loader:
-        pid = item.partition
-        if pid not in open_batchers:
-            writer = PartitionWriter(by_id[pid], cfg, layout, shapes)
-            open_batchers[pid] = PartitionBatcher(writer, encoders, cfg.encoder.batch_size)
-        batcher = open_batchers[pid]
-        if isinstance(item, PreparedSample):
-            batcher.add(item)
-            continue
-        del open_batchers[pid]
-        finish_partition(batcher, item, stages, summary)
-        progress.update(summary)
+    with Publisher(cfg.output.max_pending_uploads, summary, progress) as publisher:
+        for item in loader:
+            pid = item.partition
+            if pid not in open_batchers:
+                writer = PartitionWriter(by_id[pid], cfg, layout, shapes)
+                open_batchers[pid] = PartitionBatcher(writer, encoders, cfg.encoder.batch_size)
+            batcher = open_batchers[pid]
+            if isinstance(item, PreparedSample):
+                batcher.add(item)
+                continue
+            del open_batchers[pid]
+            finish_partition(batcher, item, stages, summary, publisher)
     progress.close()
 
 
 def finish_partition(
-    batcher: PartitionBatcher, end: PartitionEnd, stages: StageFingerprints, summary: RankSummary
+    batcher: PartitionBatcher,
+    end: PartitionEnd,
+    stages: StageFingerprints,
+    summary: RankSummary,
+    publisher: Publisher,
 ) -> None:
     if end.error:
         batcher.writer.discard()
         summary.failed[end.partition] = end.error
         log.error("partition %s failed, will be retried on the next run: %s", end.partition, end.error)
+        publisher.progress.update(summary)
         return
     batcher.flush()
-    summary.markers.append(batcher.writer.publish(end, stages))
+    publisher.submit(batcher.writer, end, stages)
+
+
+class Publisher:
+    """Publishes finished partitions (upload, then done-marker) on one background thread, so the device
+    encodes the next partition while an upload runs.
+
+    At most `max_pending` partitions wait or upload at once (submitting another first waits for the
+    oldest), bounding the staged shards on disk. Each partition is still published by
+    `PartitionWriter.publish`, whose marker is written only after its upload: kill -9 at any moment leaves
+    each partition either marked done with all its shards in place or unmarked (redone on rerun). An
+    upload error is raised in the main thread at the next submit or at the end, failing the job.
+    """
+
+    def __init__(self, max_pending: int, summary: RankSummary, progress: Progress):
+        self.max_pending, self.summary, self.progress = max_pending, summary, progress
+        self.pending: deque[Future[DoneMarker]] = deque()
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="encode-publish") if max_pending else None
+
+    def submit(self, writer: PartitionWriter, end: PartitionEnd, stages: StageFingerprints) -> None:
+        if self.pool is None:
+            self._done(writer.publish(end, stages))
+            return
+        self.pending.append(self.pool.submit(writer.publish, end, stages))
+        while len(self.pending) > self.max_pending or (self.pending and self.pending[0].done()):
+            self._done(self.pending.popleft().result())  # re-raises the upload's error here
+
+    def _done(self, marker: DoneMarker) -> None:
+        self.summary.markers.append(marker)
+        self.progress.update(self.summary)
+
+    def __enter__(self) -> Publisher:
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        """Wait for every pending publish (a finished upload is kept even when the job fails); raise the
+        first upload error unless the main thread is already raising."""
+        if self.pool is None:
+            return
+        self.pool.shutdown(wait=True)
+        errors = [f.exception() for f in self.pending]
+        for future in self.pending:
+            if future.exception() is None:
+                self._done(future.result())
+        self.pending.clear()
+        first = next((e for e in errors if e is not None), None)
+        if first is not None and exc_type is None:
+            raise first
 
 
 class Progress:

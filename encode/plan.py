@@ -2,7 +2,7 @@
 
 Every output is named by the fingerprints of what produced it:
 - `select`: which samples of a partition are kept (filters, caption cleaning, reader options);
-- `text`: caption cleaning + text encoder identity (weights hash, backend, tokenizer source);
+- `text`: caption cleaning + text encoder identity (weights hash, backend, tokenizer source) + text.store;
 - `image[res]`: resolution, resize/crop + VAE identity (weights hash).
 Each fingerprint also includes a code version constant below: bump it when the logic it covers changes, so
 outputs made by the old logic are recomputed and never silently mixed with new ones.
@@ -14,7 +14,6 @@ caption match, latents whose image fingerprint and source bytes match.
 
 from __future__ import annotations
 
-import json
 from collections import defaultdict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -22,6 +21,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from encode.config import EncodeConfig
+from encode.integrity import (
+    UnsafeOutputError,
+    check_shard_entry,
+    is_output_dir,
+    is_partition_id,
+    is_recipe_id,
+    marker_location,
+)
 from encode.sources import Partition
 from shared import storage
 from shared.contract import CONTRACT_VERSION
@@ -30,7 +37,7 @@ from shared.manifest import Layout, fingerprint
 # Bump when the code behind a stage changes its output (see module docstring).
 SELECT_CODE_VERSION = 1  # encode/sources.py, encode/filters.py
 TEXT_CODE_VERSION = 1  # caption cleaning + how the text tower is run
-IMAGE_CODE_VERSION = 1  # encode/images.py decode / resize / crop + how the VAE is run
+IMAGE_CODE_VERSION = 2  # encode/images.py decode / resize / crop + how the VAE is run (2: JPEG draft decode)
 
 # Done-markers are read with this many concurrent requests.
 MARKER_READ_THREADS = 32
@@ -68,10 +75,14 @@ def stage_fingerprints(cfg: EncodeConfig, encoders: EncoderIds) -> StageFingerpr
         "caption_ext": src.caption_ext,
         "columns": [src.image_column, src.caption_column, src.key_column],
         "folder_partitions": src.folder_partitions,
+        "budgets": [src.max_sample_bytes, src.max_row_group_bytes, src.max_caption_chars],
     }
     caption = vars(cfg.caption)
     select = fingerprint([SELECT_CODE_VERSION, reader, vars(cfg.filter), caption])
-    text = fingerprint([TEXT_CODE_VERSION, caption, encoders.text, encoders.tokenizer])
+    text_parts: list[Any] = [TEXT_CODE_VERSION, caption, encoders.text, encoders.tokenizer]
+    if cfg.text.store != "embeddings":  # appended only then: embeddings datasets keep their fingerprints
+        text_parts.append({"store": cfg.text.store})
+    text = fingerprint(text_parts)
     image = {
         res: fingerprint([IMAGE_CODE_VERSION, res, cfg.transform.resample, cfg.transform.crop, encoders.vae])
         for res in cfg.transform.resolutions
@@ -101,6 +112,8 @@ class DoneMarker:
     reused: dict[str, Any]  # same shape: what came from earlier outputs
     seconds: float
     finished: str
+    # kept samples whose safety score was missing, by reason (markers written before this field: none)
+    admitted_unchecked: dict[str, int] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         out = dict(vars(self))
@@ -113,7 +126,26 @@ class DoneMarker:
         obj = dict(obj)
         for name in ("image", "outputs", "smaller_than_resolution"):
             obj[name] = {int(k): v for k, v in obj[name].items()}
-        return cls(**obj)
+        marker = cls(**obj)
+        marker.check_names()
+        return marker
+
+    def check_names(self) -> None:
+        """Every name this marker puts into a path has the form encode writes (UnsafeOutputError if not)."""
+        where = f"done-marker of partition {self.partition!r}"
+        if not isinstance(self.finished, str) or not isinstance(self.outputs, dict):
+            raise UnsafeOutputError(
+                f"{where}: `finished` is not a timestamp string or `outputs` not an object"
+            )
+        if not is_partition_id(self.partition) or not is_recipe_id(self.recipe):
+            raise UnsafeOutputError(f"{where}: recipe {self.recipe!r} or the partition is not an encode id")
+        for out in self.outputs.values():
+            if not isinstance(out, dict):
+                raise UnsafeOutputError(f"{where}: an output is not an object")
+            if out.get("dir") is not None and not is_output_dir(out["dir"], self.partition):
+                raise UnsafeOutputError(f"{where}: output folder {out['dir']!r} is not this partition's")
+            for shard in out.get("shards", []):
+                check_shard_entry(shard, where)
 
 
 @dataclass(frozen=True)
@@ -141,30 +173,58 @@ class PartitionPlan:
 
 
 def list_markers(layout: Layout) -> dict[str, dict[str, str]]:
-    """partition id -> recipe -> done-marker URI, from one listing (no marker is read)."""
+    """partition id -> recipe -> done-marker URI, from one listing (no marker is read).
+
+    Only `<partition id>/<recipe>.json` files with encode's own id forms count; anything else under
+    `_parts/` is not a done-marker and is neither trusted nor deleted.
+    """
     found: dict[str, dict[str, str]] = defaultdict(dict)
     prefix = layout.parts_dir()
     for info in storage.list_files(prefix):
         parts = storage.relpath(info.uri, prefix).split("/")
-        if len(parts) == 2 and parts[1].endswith(".json"):
-            found[parts[0]][parts[1].removesuffix(".json")] = info.uri
+        if len(parts) != 2 or not parts[1].endswith(".json"):
+            continue
+        partition, recipe = parts[0], parts[1].removesuffix(".json")
+        if is_partition_id(partition) and is_recipe_id(recipe):
+            found[partition][recipe] = info.uri
     return found
 
 
-def load_markers(uris: Sequence[str]) -> list[DoneMarker]:
+@dataclass(frozen=True)
+class MarkerReads:
+    """Done-markers read back: the good ones, and why each other one could not be used (uri -> reason)."""
+
+    markers: list[DoneMarker]
+    unreadable: dict[str, str]
+
+
+def read_markers(uris: Sequence[str]) -> MarkerReads:
     """Read markers concurrently (on S3, tens of thousands read one by one would take minutes).
 
-    An unreadable marker (written by an incompatible version) is skipped: its work is simply redone.
+    A marker counts only if it is valid JSON of this code's shape, its names have encode's forms, and it
+    names the partition and recipe of the place it was found (a copied or planted file does not).
     """
     with ThreadPoolExecutor(MARKER_READ_THREADS) as pool:
-        return [m for m in pool.map(_load_marker, uris) if m is not None]
+        results = list(pool.map(_read_marker, uris))
+    good = [r for r in results if isinstance(r, DoneMarker)]
+    bad = {uri: r for uri, r in zip(uris, results, strict=True) if isinstance(r, str)}
+    return MarkerReads(good, bad)
 
 
-def _load_marker(uri: str) -> DoneMarker | None:
+def load_markers(uris: Sequence[str]) -> list[DoneMarker]:
+    """The readable markers among `uris`; an unreadable one is skipped. Only for reuse, where skipping
+    one means its work is redone; publishing and gc use `read_markers` and act on the unreadable ones."""
+    return read_markers(uris).markers
+
+
+def _read_marker(uri: str) -> DoneMarker | str:
     try:
-        return DoneMarker.from_json(storage.read_json(uri))
-    except (json.JSONDecodeError, TypeError, KeyError, FileNotFoundError):
-        return None
+        marker = DoneMarker.from_json(storage.read_json(uri))
+    except (ValueError, TypeError, KeyError, AttributeError, FileNotFoundError) as err:
+        return f"{type(err).__name__}: {err}"
+    if (marker.partition, marker.recipe) != marker_location(uri):
+        return f"names partition {marker.partition!r} recipe {marker.recipe!r}, not where it was found"
+    return marker
 
 
 def plan_partitions(

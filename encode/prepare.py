@@ -11,18 +11,26 @@ from __future__ import annotations
 import time
 import traceback
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch.utils.data
 
 from encode.config import EncodeConfig
-from encode.filters import caption_reject_reason, clean_caption, metadata_reject_reason, size_reject_reason
-from encode.images import ImageRejected, decode_rgb, probe_size, resize_center_crop
+from encode.filters import (
+    caption_reject_reason,
+    clean_caption,
+    metadata_reject_reason,
+    missing_safety_reasons,
+    size_reject_reason,
+)
+from encode.images import ImageRejected, probe_size, resize_for_resolutions
 from encode.plan import PartitionPlan
 from encode.reuse import ReuseTable, load_reuse_table
 from encode.sources import RawSample, Rejected, read_partition
+from shared import contract
+from shared.presets import get_preset
 
 
 @dataclass
@@ -31,7 +39,7 @@ class PreparedSample:
     key: str
     caption: str  # raw, as stored in the MDS `caption` column
     text_input: str  # cleaned: what the text encoder sees
-    text_embedding: np.ndarray | None  # reused, or None: to encode
+    text_embedding: np.ndarray | None  # reused (token ids with text.store=tokens), or None: to encode
     pixels: dict[int, np.ndarray] = field(default_factory=dict)  # res -> uint8 HWC, to encode
     latents: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)  # res -> reused
 
@@ -42,6 +50,8 @@ class PartitionEnd:
     samples_read: int = 0
     rejected: Counter[str] = field(default_factory=Counter)
     smaller_than_resolution: Counter[int] = field(default_factory=Counter)
+    # kept samples a safety check passed only because their score was missing (filter.missing_safety)
+    admitted_unchecked: Counter[str] = field(default_factory=Counter)
     seconds: float = 0.0
     error: str | None = None
 
@@ -51,6 +61,7 @@ class _Selected:
     caption: str
     text_input: str
     size: tuple[int, int]
+    unchecked: list[str]  # safety checks passed for lack of a score, e.g. ["punsafe_missing"]
 
 
 def select_sample(sample: RawSample, cfg: EncodeConfig) -> _Selected | str:
@@ -59,16 +70,20 @@ def select_sample(sample: RawSample, cfg: EncodeConfig) -> _Selected | str:
         return "missing_image" if sample.image is None else "empty_image_file"
     if sample.caption is None:
         return "missing_caption"
-    text_input = clean_caption(sample.caption, cfg.caption)
+    caption = sample.caption[: cfg.source.max_caption_chars]  # stored this way too (see SourceConfig)
+    text_input = clean_caption(caption, cfg.caption)
     reason = caption_reject_reason(text_input, cfg.filter) or metadata_reject_reason(sample.meta, cfg.filter)
     if reason:
         return reason
+    unchecked = missing_safety_reasons(sample.meta, cfg.filter)
+    if unchecked and cfg.filter.missing_safety == "reject":
+        return unchecked[0]
     try:
-        size = probe_size(sample.image)
+        size = probe_size(sample.image, cfg.filter.max_pixels)
     except ImageRejected as err:
         return err.reason
     reason = size_reject_reason(size[0], size[1], cfg.filter)
-    return reason or _Selected(sample.caption, text_input, size)
+    return reason or _Selected(caption, text_input, size, unchecked)
 
 
 def prepare_sample(
@@ -97,18 +112,26 @@ def prepare_sample(
         else:
             wanted.append(res)
     if wanted:
-        try:
-            image = decode_rgb(sample.image or b"", cfg.filter.max_pixels)
+        try:  # JPEGs >= 2x a resolution decode at a reduced scale (encode/images.py)
+            resized = resize_for_resolutions(
+                sample.image or b"", cfg.filter.max_pixels, wanted, cfg.transform.resample
+            )
         except ImageRejected as err:
             end.rejected[err.reason] += 1
             return None
         for res in wanted:
-            pixels = resize_center_crop(image, res, cfg.transform.resample)
+            pixels = resized[res]
             if pixels is None:
                 end.smaller_than_resolution[res] += 1
             else:
                 out.pixels[res] = pixels
     return out
+
+
+def contract_shapes(cfg: EncodeConfig) -> Callable[[int], contract.Shapes]:
+    """The contract's row shapes at any resolution for this config's preset (what reused rows must have)."""
+    preset = get_preset(cfg.preset)
+    return lambda res: contract.Shapes(preset.latent_shape(res), preset.text_shape(), cfg.text.store)
 
 
 def prepare_partition(plan: PartitionPlan, cfg: EncodeConfig) -> Iterator[PreparedSample | PartitionEnd]:
@@ -117,7 +140,7 @@ def prepare_partition(plan: PartitionPlan, cfg: EncodeConfig) -> Iterator[Prepar
     start = time.perf_counter()
     reuse = ReuseTable()
     try:
-        reuse = load_reuse_table(plan.reuse)
+        reuse = load_reuse_table(plan.reuse, contract_shapes(cfg))
         for item in read_partition(plan.partition, cfg.source):
             if isinstance(item, Rejected):
                 end.samples_read += item.count
@@ -130,6 +153,7 @@ def prepare_partition(plan: PartitionPlan, cfg: EncodeConfig) -> Iterator[Prepar
                 continue
             prepared = prepare_sample(item, chosen, plan, reuse, cfg, end)
             if prepared is not None:
+                end.admitted_unchecked.update(chosen.unchecked)
                 yield prepared
     except Exception as err:  # not a per-sample problem: retry the whole partition on the next run
         end.error = f"{type(err).__name__}: {err}\n{traceback.format_exc(limit=3)}"

@@ -4,35 +4,57 @@ Rows are read with Streaming's own MDS reader from a local copy of the partition
 when the output lives in S3). Copied arrays are bit-identical to what was stored. Only a key -> row
 location map is held in memory; arrays are read when a row is written (a 10k-sample SD2 partition holds
 ~2 GB of embeddings, too much to keep per worker).
+
+A stored output is only a cache of work that can be redone from the source, and whoever can write the
+output bucket can plant one: before any row is read, its index must declare exactly the contract's columns
+and encodings (an undeclared `pkl` column would run code when a row is decoded) and plain shard file names.
+A folder that fails the check is not reused: its rows are encoded again from the source, so nothing good
+is lost and nothing planted is read.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from encode.integrity import UnsafeOutputError, check_shard_entry
 from encode.plan import ReuseSource
 from shared import contract, storage
 from shared.manifest import INDEX_NAME
 
+log = logging.getLogger("encode")
 
-def open_mds_readers(folder: str | Path) -> list[Any]:
-    """Streaming's shard readers for a local MDS folder (one partition output), decompressing if needed."""
+
+def open_mds_readers(folder: str | Path, shapes: contract.Shapes | None = None) -> list[Any]:
+    """Streaming's shard readers for a local MDS folder (one partition output), decompressing if needed.
+
+    Raises UnsafeOutputError, before reading a row, if the index is not what the contract declares.
+    """
     from streaming.base.compression import decompress
     from streaming.base.format import reader_from_json
 
     folder = str(folder)
-    index = json.loads(Path(folder, INDEX_NAME).read_text())
+    index_uri = os.path.join(folder, INDEX_NAME)
+    try:
+        index = json.loads(Path(index_uri).read_text())
+        entries = index["shards"]
+    except (ValueError, KeyError, TypeError) as err:
+        raise UnsafeOutputError(f"{index_uri} is not an MDS index ({err})") from err
+    if not isinstance(entries, list):
+        raise UnsafeOutputError(f"{index_uri} is not an MDS index (its shards are not a list)")
+    for info in entries:
+        check_shard_entry(info, index_uri, shapes)
     readers = []
-    for info in index["shards"]:
+    for info in entries:
         reader = reader_from_json(folder, None, info)
         raw_path = os.path.join(folder, reader.raw_data.basename)
         if not os.path.exists(raw_path) and reader.zip_data is not None:
@@ -65,7 +87,7 @@ class ReuseTable:
         if hit is None or hit[0] != caption:
             return None
         reader, idx = hit[1]
-        return reader.get_item(idx)[contract.TEXT_EMBEDDING]
+        return contract.stored_text(reader.get_item(idx))  # embeddings, or token ids (text.store=tokens)
 
     def has_latents(self, key: str, resolution: int) -> bool:
         return key in self.latents.get(resolution, {})
@@ -83,14 +105,25 @@ class ReuseTable:
         self._tmpdirs.clear()
 
 
-def load_reuse_table(sources: Sequence[ReuseSource]) -> ReuseTable:
-    """Index reusable rows of earlier outputs (first source wins per key: they come newest first)."""
+def load_reuse_table(
+    sources: Sequence[ReuseSource], shapes_for: Callable[[int], contract.Shapes] | None = None
+) -> ReuseTable:
+    """Index reusable rows of earlier outputs (first source wins per key: they come newest first).
+
+    `shapes_for(resolution)`: the contract's shapes there, so a stored folder must match them exactly.
+    A folder the contract does not allow is skipped with a warning: its rows are encoded again.
+    """
     table = ReuseTable()
     for source in sources:
         folder = _local_copy(source.uri, table)
         if folder is None:
             continue  # gone (garbage-collected): its work is simply redone
-        for reader in open_mds_readers(folder):
+        try:
+            readers = open_mds_readers(folder, shapes_for(source.resolution) if shapes_for else None)
+        except UnsafeOutputError as err:
+            log.warning("not reusing %s, its rows are encoded again: %s", source.uri, err)
+            continue
+        for reader in readers:
             for idx in range(reader.samples):
                 row = reader.get_item(idx)
                 key = row[contract.KEY]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
+import threading
 import time
 import uuid
 from collections import Counter
@@ -24,24 +24,40 @@ from encode.config import EncodeConfig
 from encode.plan import DoneMarker, PartitionPlan, StageFingerprints
 from encode.prepare import PartitionEnd
 from shared import contract, storage
-from shared.manifest import INDEX_NAME, Layout
+from shared.manifest import INDEX_NAME, Layout, fingerprint
+
+# encode/pipeline.py publishes (and so discards) a partition on a background thread while the main thread
+# opens the next partition's writer: the empty-root cleanup in `discard` and a writer creating its folder
+# under that root take turns, or the root could be removed (or recreated without mode 0700) in between.
+_STAGING_LOCK = threading.Lock()
 
 
 def staging_root(layout: Layout) -> Path:
-    """Local outputs stage beside the data so publishing is a same-filesystem rename."""
+    """Local outputs stage beside the data so publishing is a same-filesystem rename; S3 outputs stage in
+    `<tmp>/sd-encode-staging-<uid>`, private to this user (a fixed shared path could be planted)."""
     if storage.is_s3(layout.root):
-        return Path(tempfile.gettempdir()) / "sd-encode-staging"
+        return storage.private_temp_dir("sd-encode-staging", "TMPDIR (the environment variable)")
     return Path(layout.root) / "_staging"
 
 
+def staging_prefix(layout: Layout, partition_id: str) -> str:
+    """The name every staging folder of this job's partition starts with: `<hash of output.uri>.<id>.`.
+
+    Staging roots can be shared by several encode jobs (all S3 outputs of a user share one), so a folder
+    is ours only if it names both our output and our partition.
+    """
+    return f"{fingerprint(layout.root.rstrip('/'))[:12]}.{partition_id}."
+
+
 def remove_stale_staging(layout: Layout, partition_ids: list[str]) -> None:
-    """Drop staging folders a killed run left for these partitions (each partition has one owner rank)."""
+    """Drop staging folders a killed run of this job left for these partitions (each partition has one
+    owner rank); folders of other jobs or other partitions are never touched."""
     root = staging_root(layout)
     if not root.exists():
         return
-    owned = set(partition_ids)
+    prefixes = tuple(staging_prefix(layout, pid) for pid in partition_ids)
     for folder in root.iterdir():
-        if folder.name.rsplit("-", 1)[0] in owned:
+        if folder.name.startswith(prefixes) and folder.is_dir() and not folder.is_symlink():
             shutil.rmtree(folder, ignore_errors=True)
 
 
@@ -59,21 +75,25 @@ class PartitionWriter:
 
         self.plan, self.cfg, self.layout = plan, cfg, layout
         self.started = time.perf_counter()
-        self.staging = staging_root(layout) / f"{plan.partition.id}-{uuid.uuid4().hex[:8]}"
         self.rows: Counter[int] = Counter()
         self.encoded: Counter[str] = Counter()
         self.reused: Counter[str] = Counter()
         self.finished = False
-        self.writers = {
-            res: MDSWriter(
-                out=str(self.staging / str(res)),
-                columns=contract.mds_columns(shapes[res]),
-                compression=cfg.output.compression,
-                size_limit=cfg.output.shard_size_limit,
-                exist_ok=True,
+        with _STAGING_LOCK:  # the staging root must not vanish between its check and our mkdir
+            self.staging = (
+                staging_root(layout) / f"{staging_prefix(layout, plan.partition.id)}{uuid.uuid4().hex[:8]}"
             )
-            for res in shapes
-        }
+            self.writers = {
+                res: MDSWriter(
+                    out=str(self.staging / str(res)),
+                    columns=contract.mds_columns(shapes[res]),
+                    compression=cfg.output.compression,
+                    size_limit=cfg.output.shard_size_limit,
+                    hashes=[contract.SHARD_HASH],  # train verifies each shard against it on first read
+                    exist_ok=True,
+                )
+                for res in shapes
+            }
 
     def write(
         self,
@@ -105,6 +125,7 @@ class PartitionWriter:
             outputs=outputs,
             samples_read=end.samples_read,
             rejected=dict(end.rejected),
+            admitted_unchecked=dict(end.admitted_unchecked),
             smaller_than_resolution={res: end.smaller_than_resolution.get(res, 0) for res in self.writers},
             encoded=_counts(self.encoded),
             reused=_counts(self.reused),
@@ -134,8 +155,9 @@ class PartitionWriter:
             self.finished = True
         shutil.rmtree(self.staging, ignore_errors=True)
         parent = self.staging.parent
-        if parent.exists() and not os.listdir(parent):
-            parent.rmdir()
+        with _STAGING_LOCK:
+            if parent.exists() and not os.listdir(parent):
+                parent.rmdir()
 
 
 def _counts(counter: Counter[str]) -> dict[str, object]:

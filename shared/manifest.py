@@ -23,6 +23,7 @@ import numpy as np
 
 from shared import storage
 from shared.contract import CONTRACT_VERSION, Shapes
+from shared.encoders import EncoderIdentity
 
 MANIFEST_NAME = "manifest.json"
 INDEX_NAME = "index.json"
@@ -111,6 +112,29 @@ class DatasetManifest:
     config: dict[str, Any]
     contract_version: int = CONTRACT_VERSION
     extra: dict[str, Any] = field(default_factory=dict)
+    # The frozen encoders (shared/encoders.py). Manifests written before it: read from the older keys.
+    encoder: EncoderIdentity | None = None
+    # text.store=tokens: the empty caption's token ids [L] (uint16), what caption dropout swaps in.
+    empty_caption_tokens: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        if self.encoder is None:
+            self.encoder = EncoderIdentity.from_legacy(
+                self.preset,
+                dict(self.fingerprints.get("encoders") or {}),
+                dict(self.config.get("encoder") or {}),
+                dict(self.config.get("text") or {}),
+            )
+
+    @property
+    def identity(self) -> EncoderIdentity:
+        """The encoder identity (always set after construction)."""
+        assert self.encoder is not None
+        return self.encoder
+
+    @property
+    def text_store(self) -> str:
+        return self.identity.text_store
 
     @property
     def dataset_fingerprint(self) -> str:
@@ -129,6 +153,11 @@ class DatasetManifest:
         out["num_samples"] = {str(r): info.num_samples for r, info in self.resolutions.items()}
         out["schema"] = {str(r): mds_columns(info.shapes) for r, info in self.resolutions.items()}
         out["empty_caption_embedding"] = encode_array(self.empty_caption_embedding)
+        out["encoder"] = self.identity.to_json()
+        if self.empty_caption_tokens is None:
+            out.pop("empty_caption_tokens")
+        else:
+            out["empty_caption_tokens"] = encode_array(self.empty_caption_tokens)
         return out
 
     @classmethod
@@ -141,6 +170,10 @@ class DatasetManifest:
             for r, info in obj["resolutions"].items()
         }
         obj["empty_caption_embedding"] = decode_array(obj["empty_caption_embedding"])
+        if isinstance(obj.get("encoder"), dict):
+            obj["encoder"] = EncoderIdentity.from_json(obj["encoder"])
+        if obj.get("empty_caption_tokens") is not None:
+            obj["empty_caption_tokens"] = decode_array(obj["empty_caption_tokens"])
         return cls(**obj)
 
 

@@ -77,8 +77,8 @@ def build_vae(preset: Preset, pretrained: str | None = None) -> AutoencoderKL:
 
 # -------------------------------------------------------------------------------------------- tokenizer
 @functools.lru_cache(maxsize=1)
-def clip_tokenizer_dir() -> Path:
-    """HF CLIPTokenizer files built from the BPE vocab that ships inside open_clip (works offline).
+def write_clip_tokenizer(out: Path) -> Path:
+    """Write HF CLIPTokenizer files into `out`, built from the BPE vocab inside open_clip (works offline).
 
     Same vocab, merges and special ids as OpenCLIP's tokenizer and SD2's `tokenizer/` folder; padding with
     "!" (id 0) like SD2's, which matches OpenCLIP's zero padding.
@@ -91,7 +91,7 @@ def clip_tokenizer_dir() -> Path:
     byte_vocab = list(oct.bytes_to_unicode().values())
     vocab = byte_vocab + [v + "</w>" for v in byte_vocab] + ["".join(m.split()) for m in merges]
     vocab += ["<|startoftext|>", "<|endoftext|>"]
-    out = Path(tempfile.mkdtemp(prefix="clip-tokenizer-"))
+    out.mkdir(parents=True, exist_ok=True)
     (out / "vocab.json").write_text(json.dumps({tok: i for i, tok in enumerate(vocab)}))
     (out / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n")
     (out / "tokenizer_config.json").write_text(
@@ -115,18 +115,36 @@ def build_tokenizer(preset: Preset, pretrained: str | None = None) -> CLIPTokeni
     source = pretrained or preset.pretrained
     if source:
         return CLIPTokenizer.from_pretrained(source, subfolder="tokenizer")
-    return CLIPTokenizer.from_pretrained(str(clip_tokenizer_dir()))
+    # The tokenizer reads its files once at construction; the folder is gone when this returns, so no
+    # process leaves a clip-tokenizer folder behind in the shared temp dir.
+    with tempfile.TemporaryDirectory(prefix="clip-tokenizer-") as tmp:
+        return CLIPTokenizer.from_pretrained(str(write_clip_tokenizer(Path(tmp))))
 
 
 # ----------------------------------------------------------------------------------------- text towers
 class TextEncoder:
-    """Captions -> [batch, context_length, width] float32 embeddings (penultimate layer + final LN)."""
+    """Captions -> [batch, context_length, width] float32 embeddings (penultimate layer + final LN).
+
+    `encode` = `embed_tokens(tokenize(...))`; text.store=tokens stores `tokenize`'s ids and train runs
+    `embed_tokens` in the step (under no_grad there: inference tensors cannot enter the U-Net's autograd).
+    """
 
     backend: str
     model: torch.nn.Module
 
-    def encode(self, captions: list[str]) -> torch.Tensor:
+    def tokenize(self, captions: list[str]) -> torch.Tensor:
+        """[batch, context_length] int64 token ids, padded and truncated to the context length."""
         raise NotImplementedError
+
+    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        """Token ids (on the tower's device) -> embeddings; runs in whatever grad mode the caller set."""
+        raise NotImplementedError
+
+    def encode(self, captions: list[str]) -> torch.Tensor:
+        import torch
+
+        with torch.inference_mode():
+            return self.embed_tokens(self.tokenize(captions).to(self.device)).float()
 
     def to(self, device: Any, dtype: Any = None) -> TextEncoder:
         self.model.to(device=device, dtype=dtype)
@@ -153,12 +171,8 @@ class TransformersTextEncoder(TextEncoder):
             captions, padding="max_length", max_length=length, truncation=True, return_tensors="pt"
         ).input_ids
 
-    def encode(self, captions: list[str]) -> torch.Tensor:
-        import torch
-
-        with torch.inference_mode():
-            ids = self.tokenize(captions).to(self.device)
-            return self.model(ids).last_hidden_state.float()
+    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model(ids).last_hidden_state
 
 
 class OpenClipTextEncoder(TextEncoder):
@@ -171,21 +185,20 @@ class OpenClipTextEncoder(TextEncoder):
         self.context_length = context_length
         self.tokenizer = open_clip.tokenizer.SimpleTokenizer(context_length=context_length)
 
-    def encode(self, captions: list[str]) -> torch.Tensor:
-        import torch
+    def tokenize(self, captions: list[str]) -> torch.Tensor:
+        return self.tokenizer(captions, context_length=self.context_length)
 
-        with torch.inference_mode():
-            ids = self.tokenizer(captions, context_length=self.context_length).to(self.device)
-            penultimate = len(self.model.transformer.resblocks) - 2
-            out = self.model.forward_intermediates(
-                ids,
-                indices=[penultimate],
-                stop_early=True,
-                normalize_intermediates=True,
-                intermediates_only=True,
-                output_fmt="NLC",
-            )
-            return out["text_intermediates"][0].float()
+    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        penultimate = len(self.model.transformer.resblocks) - 2
+        out = self.model.forward_intermediates(
+            ids,
+            indices=[penultimate],
+            stop_early=True,
+            normalize_intermediates=True,
+            intermediates_only=True,
+            output_fmt="NLC",
+        )
+        return out["text_intermediates"][0]
 
 
 def build_open_clip_tower(preset: Preset, checkpoint: str | None = None) -> torch.nn.Module:
@@ -270,6 +283,34 @@ def openclip_to_transformers(tower: torch.nn.Module, preset: Preset) -> CLIPText
     return model.eval()
 
 
+class TextLayerError(ValueError):
+    """A text encoder would not give the embedding SD2 conditions on; the message names the fix."""
+
+
+def penultimate_layer_count(preset: Preset) -> int:
+    """Blocks a converted CLIPTextModel keeps: the tower's minus its last (SD2-base: 24 -> 23)."""
+    return int(preset.text["layers"]) - 1
+
+
+def check_penultimate_layer(model: CLIPTextModel, preset: Preset, source: str) -> None:
+    """Refuse a CLIPTextModel whose last_hidden_state is not the penultimate layer + final LayerNorm.
+
+    diffusers' converted SD2 text_encoder has the last block dropped, so its last_hidden_state is the
+    SD2 embedding. A full tower (e.g. 24 layers for ViT-H/14) would silently give the last layer's output.
+    """
+    found, expected = int(model.config.num_hidden_layers), penultimate_layer_count(preset)
+    if found == expected:
+        return
+    full = " (the full tower: its last_hidden_state is the LAST layer, not the penultimate one)"
+    raise TextLayerError(
+        f"{source}/text_encoder has {found} layers but preset {preset.name} expects {expected}"
+        f"{full if found == expected + 1 else ''}; SD2 conditions on the penultimate layer + final "
+        f"LayerNorm. Use a diffusers folder whose text_encoder has {expected} layers (as "
+        "stabilityai/stable-diffusion-2-base ships it), or encoder.text_backend=open_clip with "
+        "encoder.open_clip_checkpoint, or the preset matching this text encoder"
+    )
+
+
 def build_text_encoder(
     preset: Preset,
     backend: TextBackend = "transformers",
@@ -290,6 +331,7 @@ def build_text_encoder(
         from transformers import CLIPTextModel
 
         model = CLIPTextModel.from_pretrained(source, subfolder="text_encoder")
+        check_penultimate_layer(model, preset, source)
     else:
         model = openclip_to_transformers(build_open_clip_tower(preset), preset)
     return TransformersTextEncoder(model, build_tokenizer(preset, pretrained))

@@ -8,6 +8,7 @@ seed (identical on every machine for the pinned torch), so tests and the demo ru
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -163,3 +164,8 @@ def get_preset(name: str) -> Preset:
         return PRESETS[name]
     except KeyError:
         raise ValueError(f"unknown preset {name!r}; use one of {', '.join(sorted(PRESETS))}") from None
+
+
+def random_init(preset: Preset) -> Preset:
+    """The preset with its frozen encoders random-initialised: shapes, not weights, decide throughput."""
+    return dataclasses.replace(preset, pretrained=None, vae_weights=None)

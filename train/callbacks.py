@@ -7,6 +7,7 @@ import logging
 import os
 import re
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ from composer.utils import dist
 from composer.utils.misc import create_interval_scheduler
 
 from shared import storage
+from train.checkpoints import UnsafeCheckpointError, find_latest_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +69,7 @@ class RunRecord(Callback):
 
 
 # ----------------------------------------------------------------------------------------- metrics
+_LOSS_METRIC = "loss/train/total"  # logged per step by train/step_loop.py's StepLossLog, with its step
 # Composer metric name -> short name in metrics.jsonl
 _METRIC_NAMES = {
     "loss/train/total": "loss",
@@ -80,23 +83,32 @@ _METRIC_NAMES = {
 class MetricsJSONL(LoggerDestination):
     """One JSON line per optimizer step: step, loss, lr, images/s (overall and per device), ETA, memory.
 
-    Everything logged during a batch (loss during it, throughput and LR at its end) is collected and written
-    at that batch's end, keyed by the number of batches done. Composer runs logger destinations after the
-    other callbacks of an event, so at BATCH_END this sees the speed/LR/ETA values, and the line is on disk
-    before the CheckpointSaver (BATCH_CHECKPOINT) publishes that step: a kill between the two cannot lose
-    it. After a resume, lines past the resumed step (written by the crashed run) are dropped so each step
-    appears once.
+    Everything logged during a batch (throughput and LR at its end) is collected at that batch's end, keyed
+    by the number of batches done. The loss comes later and for several steps at once: it stays on the
+    device during training (train/step_loop.py) and is logged with its step number every
+    `log.console_interval` batches and before every checkpoint. A step's line is written as soon as both
+    halves are in, in step order. StepLossLog runs before the CheckpointSaver in the BATCH_CHECKPOINT event
+    (Composer appends the saver after the job's callbacks), so every step a checkpoint covers is on disk
+    before the checkpoint is published: a kill between the two cannot lose a line. After a resume, lines
+    past the resumed step (written by the crashed run) are dropped so each step appears once.
     """
 
     def __init__(self, path: str):
         self.path = Path(path)
         self.pending: dict[str, Any] = {}
+        self.records: dict[int, dict[str, Any]] = {}  # finished steps waiting for their loss
+        self.losses: dict[int, float] = {}  # losses waiting for their step's end
 
     def log_metrics(self, metrics: dict[str, Any], step: int | None = None) -> None:
         for name, value in metrics.items():
+            if name == _LOSS_METRIC and step is not None:
+                self.losses[int(step)] = float(value)
+                continue
             short = "lr" if name.startswith("lr-") and name.endswith("group0") else _METRIC_NAMES.get(name)
             if short is not None:
                 self.pending[short] = float(value)
+        if _LOSS_METRIC in metrics:
+            self._write_complete()
 
     def fit_start(self, state: State, logger: Logger) -> None:
         if dist.get_global_rank() != 0:
@@ -108,16 +120,35 @@ class MetricsJSONL(LoggerDestination):
         if dist.get_global_rank() != 0:
             return
         stamp = state.timestamp
-        record = {
+        self.records[int(stamp.batch)] = {
             "step": int(stamp.batch),
             "samples": int(stamp.sample),
             "epoch": int(stamp.epoch),
             "time": round(time.time(), 3),
             **self.pending,
         }
-        with self.path.open("a") as handle:
-            handle.write(json.dumps(record) + "\n")
         self.pending = {}
+        self._write_complete()
+
+    def fit_end(self, state: State, logger: Logger) -> None:
+        # Steps whose loss never came (a run without StepLossLog) are still written, without it.
+        self._write_complete(force=True)
+
+    def _write_complete(self, force: bool = False) -> None:
+        """Append the lines of the oldest steps that have both their end-of-step values and their loss."""
+        if dist.get_global_rank() != 0:
+            return
+        lines = []
+        for step in sorted(self.records):
+            if step not in self.losses and not force:
+                break
+            record = self.records.pop(step)
+            if step in self.losses:
+                record["loss"] = self.losses.pop(step)
+            lines.append(json.dumps(record) + "\n")
+        if lines:
+            with self.path.open("a") as handle:
+                handle.write("".join(lines))
 
     def _drop_lines_after(self, step: int) -> None:
         if not self.path.exists():
@@ -174,48 +205,82 @@ class ArtifactMirror(Callback):
 
 # ----------------------------------------------------------------------------------------- retention
 _CHECKPOINT_NAME = re.compile(r"^ep\d+-ba(\d+)-rank\d+\.pt$")
+# A sharded checkpoint is a folder `ep{epoch}-ba{batch}/` (train/checkpoints_sharded.py): deleted whole.
+_SHARDED_NAME = re.compile(r"^ep\d+-ba(\d+)$")
 
 
-class RemoteCheckpointRetention(Callback):
-    """Keeps the newest `keep` checkpoints in an s3:// save folder and deletes older ones.
+def checkpoints_to_delete(
+    names_by_batch: dict[int, list[str]], latest_batch: int | None, keep: int
+) -> list[str]:
+    """Which checkpoints retention deletes: of those at or before the one `latest` names, all but the
+    newest `keep` (latest always among them). Checkpoints after latest are never touched: in an s3://
+    folder they are uploads Composer has not confirmed yet (it writes `latest` only after polling that the
+    file exists, so deleting one stalls the job for up to an hour), or leftovers of a crashed attempt that
+    the resumed run overwrites. No latest: nothing is confirmed, nothing is deleted."""
+    if latest_batch is None:
+        return []
+    settled = sorted(batch for batch in names_by_batch if batch <= latest_batch)
+    old = settled[: max(len(settled) - keep, 0)]
+    return [name for batch in old for name in names_by_batch[batch]]
 
-    Composer's `save_num_checkpoints_to_keep` only prunes local copies. Runs on rank 0 at every checkpoint
-    event and once more after the trainer closed. Composer uploads in the background, so during training the
-    listing sees only finished uploads (a folder briefly holds keep + 1 checkpoints); after close every
-    upload is done (its uploader joins them at fit end, after the non-logger callbacks of that event ran,
-    hence `post_close` rather than `fit_end`). The checkpoint the `latest` pointer names is never deleted.
+
+class CheckpointRetention(Callback):
+    """Keeps the newest `keep` checkpoints in a save folder (local, shared filesystem or s3://).
+
+    Composer prunes only the checkpoints the current process saved, and never remote ones, so after a
+    cancel + resubmit a folder keeps every earlier job's checkpoints (~14 GB each for SD2-base). This lists
+    the folder instead. It runs on rank 0, once per saved checkpoint (not per batch: Composer fires
+    BATCH_CHECKPOINT after every batch), in one background worker so a slow listing never holds up a
+    step; the worker is joined and a final pass runs after the trainer closed, when every upload and the
+    final `latest` are written (Composer's uploader finishes at fit end, after the callbacks of that event,
+    hence `post_close`). See checkpoints_to_delete for what may go.
     """
 
-    def __init__(self, save_folder: str, keep: int):
+    def __init__(self, save_folder: str, keep: int, interval: str):
+        if keep < 1:
+            raise ValueError(f"keep must be >= 1, got {keep}")
         self.save_folder = save_folder
         self.keep = keep
+        self.due = create_interval_scheduler(interval)
+        self.saved_since_prune = False
+        self.worker: ThreadPoolExecutor | None = None
         self.closed = False
 
     def prune(self) -> list[str]:
-        """Delete the old checkpoints; returns their URIs."""
+        """Delete the old checkpoints now; returns their URIs."""
         if dist.get_global_rank() != 0:
             return []
-        from train.checkpoints import find_latest_checkpoint
-
         by_batch: dict[int, list[str]] = {}
         for info in storage.list_files(self.save_folder):
-            match = _CHECKPOINT_NAME.match(storage.relpath(info.uri, self.save_folder))
-            if match:
+            name = storage.relpath(info.uri, self.save_folder)
+            if match := _CHECKPOINT_NAME.match(name):
                 by_batch.setdefault(int(match.group(1)), []).append(info.uri)
-        latest = find_latest_checkpoint(self.save_folder)
-        old = sorted(by_batch)[: -self.keep]
-        doomed = [uri for batch in old for uri in by_batch[batch] if uri != latest]
+            elif "/" in name and (match := _SHARDED_NAME.match(name.split("/")[0])):
+                folder = storage.join(self.save_folder, match.group(0))
+                if folder not in by_batch.setdefault(int(match.group(1)), []):
+                    by_batch[int(match.group(1))].append(folder)
+        doomed = checkpoints_to_delete(by_batch, self._latest_batch(), self.keep)
         for uri in doomed:
-            storage.delete(uri)
+            if _CHECKPOINT_NAME.match(os.path.basename(uri)):
+                storage.delete(uri)
+            else:  # s3: delete_tree goes in key order, `.metadata` (marks the folder complete) first
+                storage.delete_tree(uri)
         if doomed:
-            log.info("deleted %d old remote checkpoint file(s) from %s", len(doomed), self.save_folder)
+            log.info("deleted %d old checkpoint file(s) from %s", len(doomed), self.save_folder)
         return doomed
 
+    def _latest_batch(self) -> int | None:
+        latest = find_latest_checkpoint(self.save_folder)
+        name = os.path.basename(latest.rstrip("/")) if latest else ""
+        match = _CHECKPOINT_NAME.match(name) or _SHARDED_NAME.match(name)
+        return int(match.group(1)) if match else None
+
     def prune_best_effort(self) -> None:
-        # Old checkpoints are only clutter: an S3 hiccup while pruning must not stop a training run.
+        # Old checkpoints are only clutter: an S3 hiccup or a damaged `latest` must not stop training here
+        # (a damaged latest stops the next resume, loudly).
         try:
             self.prune()
-        except storage.StorageError as err:
+        except (OSError, UnsafeCheckpointError) as err:
             log.warning(
                 "could not prune old checkpoints in %s (will retry next checkpoint): %s",
                 self.save_folder,
@@ -223,13 +288,29 @@ class RemoteCheckpointRetention(Callback):
             )
 
     def batch_checkpoint(self, state: State, logger: Logger) -> None:
-        self.prune_best_effort()
+        # This runs before Composer's CheckpointSaver within the event: remember, prune after it saved.
+        if dist.get_global_rank() == 0 and self.due(state, Event.BATCH_CHECKPOINT):
+            self.saved_since_prune = True
+
+    def epoch_checkpoint(self, state: State, logger: Logger) -> None:
+        if dist.get_global_rank() == 0 and self.due(state, Event.EPOCH_CHECKPOINT):
+            self.saved_since_prune = True
+
+    def batch_start(self, state: State, logger: Logger) -> None:
+        if self.saved_since_prune:
+            self.saved_since_prune = False
+            if self.worker is None:
+                self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-retention")
+            self.worker.submit(self.prune_best_effort)
 
     def post_close(self) -> None:
         # Composer may close an engine twice (explicitly, then at interpreter exit): prune once.
-        if not self.closed:
-            self.closed = True
-            self.prune_best_effort()
+        if self.closed:
+            return
+        self.closed = True
+        if self.worker is not None:
+            self.worker.shutdown(wait=True)
+        self.prune_best_effort()
 
 
 def write_text_file(path: str, text: str) -> None:

@@ -1,4 +1,4 @@
-"""`python -m train fit CONFIG [key=value ...]` and `python -m train export CHECKPOINT OUT`."""
+"""`python -m train fit|export|launch|bench|estimate|demo|tiny-vae ...`: thin wrappers over the library."""
 
 from __future__ import annotations
 
@@ -17,13 +17,31 @@ def _setup_logging() -> None:
 
 def _user_errors() -> tuple[type[Exception], ...]:
     """Errors whose message already names the fix: print it, no traceback."""
+    from shared.batching import BatchingError
     from shared.config import ConfigError
     from shared.contract import ContractError
-    from train.batching import BatchingError
-    from train.checkpoints import CheckpointError
+    from shared.encoders import EncoderMismatchError
+    from shared.models import TextLayerError
+    from shared.storage import StorageError
+    from train.checkpoints import CheckpointError, UnsafeCheckpointError
     from train.data import DataError
+    from train.ema_names import EMAStoreMismatchError
+    from train.guards import NonFiniteLossError
 
-    return (ConfigError, ContractError, BatchingError, CheckpointError, DataError, FileNotFoundError)
+    return (
+        ConfigError,
+        ContractError,
+        BatchingError,
+        CheckpointError,
+        UnsafeCheckpointError,
+        DataError,
+        StorageError,
+        EncoderMismatchError,
+        TextLayerError,
+        EMAStoreMismatchError,
+        NonFiniteLossError,
+        FileNotFoundError,
+    )
 
 
 def _fail(err: Exception) -> None:
@@ -79,9 +97,10 @@ def export(
 
 def _register_light_commands() -> None:
     """Commands whose modules import neither torch nor composer, so `--help` and planning stay instant."""
-    from train.bench import bench_command
-    from train.estimate import estimate_command
+    from shared.estimate import estimate_command
+    from train.bench.cli import bench_command
     from train.launch import launch_command
+    from train.tools.cli import demo_command, tiny_vae_command
 
     app.command("launch", help="Plan and launch training on local / Slurm / Kubernetes (see --dry-run).")(
         launch_command
@@ -91,6 +110,10 @@ def _register_light_commands() -> None:
     )
     app.command("estimate", help="Days, GPU-hours and dollars for a schedule (writes JSON, table, plot).")(
         estimate_command
+    )
+    app.command("demo", help="make demo: sample data -> encode -> train -> export, on CPU.")(demo_command)
+    app.command("tiny-vae", help="Retrain the tiny preset's VAE on the sample data (make tiny-vae).")(
+        tiny_vae_command
     )
 
 

@@ -1,7 +1,7 @@
 """The train job's config: one nested dataclass, loaded from `jobs/train/<name>.yaml` + `key=value` overrides.
 
 Batch sizes are given as `global_batch_size` and `device_microbatch_size`; the per-rank batch and gradient
-accumulation are derived at launch (`train.batching.derive_batching`), never written into configs.
+accumulation are derived at launch (`shared.batching.derive_batching`), never written into configs.
 Composer time strings (`20ba`, `1ep`, `10000sp`, `0.5dur`) are used for every duration and interval.
 """
 
@@ -59,7 +59,8 @@ class DataConfig:
     # Dataset version id to pin (versions/<vid>/ in the encode output); None: the current one at start.
     version: str | None = None
     # Local cache root for downloaded shards; each (dataset root, version, resolution) gets its own folder
-    # below it, because two live StreamingDatasets must not share one. "": <tmp>/sd-pretrain-streaming.
+    # below it, because two live StreamingDatasets must not share one. "": <tmp>/sd-pretrain-streaming-<uid>,
+    # private to this user (a planted folder there is refused, not used).
     cache_dir: str = ""
     # Resuming against a dataset with another fingerprint is refused unless this is true.
     allow_dataset_change: bool = False
@@ -100,6 +101,9 @@ class ModelConfig:
     # VAE latent scale factor; None: the dataset manifest's (set only to assert a value).
     scale_factor: float | None = None
     gradient_checkpointing: bool = False
+    # text.store=tokens datasets: a diffusers folder / hub id with text_encoder/ + tokenizer/ to run in the
+    # step (None: the folder the dataset manifest records). Its weights hash must match the manifest's.
+    text_encoder: str | None = None
 
 
 @dataclass
@@ -148,7 +152,8 @@ class LogConfig:
     # Batches averaged for images/s; Composer's SpeedMonitor logs nothing until this window has filled.
     speed_window: int = 50
     # Local folder for train.log, metrics.jsonl, samples/ and train_config.yaml. "": the save_folder when it
-    # is local; for an s3:// save_folder, <tmp>/sd-pretrain-runs/<run_name> mirrored to the save_folder.
+    # is local; for an s3:// save_folder, <tmp>/sd-pretrain-runs-<uid>/<run_name> (private to this user)
+    # mirrored to the save_folder.
     local_dir: str = ""
     tensorboard: bool = False
     wandb_project: str | None = None  # set to log to Weights & Biases (needs `wandb` installed)
@@ -174,9 +179,22 @@ class TrainConfig:
     precision: Precision = "auto"  # auto: amp_bf16 on GPU, fp32 on CPU
     fsdp: bool = False  # shard with FSDP (GPU only)
     fsdp_sharding_strategy: Literal["SHARD_GRAD_OP", "FULL_SHARD", "NO_SHARD"] = "SHARD_GRAD_OP"
-    compile: bool = False  # torch.compile the model
+    # dtype FSDP reduce-scatters gradients in: fp32 (exact sums, 4 bytes per parameter per microbatch) or
+    # bf16 (half the bytes; sums over many ranks lose precision). Params are gathered in `precision`'s dtype.
+    fsdp_reduce_dtype: Literal["fp32", "bf16"] = "fp32"
+    # torch.compile the U-Net (only the U-Net, in place: parameter names stay the same; train/model.py).
+    compile: bool = False
+    # U-Net weights and inputs in NHWC layout, which cuDNN convolutions run natively. GPU runs only: a CPU
+    # run keeps NCHW whatever this says. `make bench` builds its model through the same switch.
+    channels_last: bool = True
     # Checkpoints: a local folder or s3://bucket/prefix.
     save_folder: str = ""
+    # How a checkpoint is written. full: every weight, the EMA and AdamW state are gathered onto rank 0,
+    # which writes one .pt (~14 GB for SD2-base, at one node's write bandwidth). sharded: every rank writes
+    # its own part in parallel into a folder per checkpoint (train/checkpoints_sharded.py); Composer writes
+    # those only under FSDP. auto: sharded when fsdp=true on more than one rank, else full. Either format
+    # resumes on any rank count, and a run resuming the other format converts it once at start.
+    checkpoint_format: Literal["auto", "full", "sharded"] = "auto"
     save_interval: str = "2500ba"
     save_num_checkpoints_to_keep: int = -1  # local copies kept (-1: all)
     # Checkpoints kept in an s3:// save_folder (-1: all). Composer never deletes remote checkpoints; an
@@ -201,6 +219,11 @@ class TrainConfig:
             raise ConfigError(
                 "save_num_remote_checkpoints_to_keep must be >= 1 (the newest checkpoints kept) or -1 (all), "
                 f"got {self.save_num_remote_checkpoints_to_keep}"
+            )
+        if self.checkpoint_format == "sharded" and not self.fsdp:
+            raise ConfigError(
+                "checkpoint_format=sharded needs fsdp=true (Composer writes sharded checkpoints only under "
+                "its FSDP); pass fsdp=true, or checkpoint_format=auto / full"
             )
         if self.fsdp and self.device == "cpu":
             raise ConfigError("fsdp=true needs GPUs; use device=auto/gpu or fsdp=false on CPU")
@@ -252,6 +275,13 @@ class TrainConfig:
     def resolved_run_name(self) -> str:
         """Stable across reruns of the same command: autoresume looks for this run's checkpoints."""
         return self.run_name or f"{self.name}-{fingerprint(self.save_folder.rstrip('/'))[:8]}"
+
+    def resolved_checkpoint_format(self, world_size: int) -> Literal["full", "sharded"]:
+        """checkpoint_format with auto decided: sharded under FSDP on more than one rank (where a full
+        checkpoint would funnel ~14 GB through rank 0 at every save), else full."""
+        if self.checkpoint_format != "auto":
+            return self.checkpoint_format
+        return "sharded" if self.fsdp and world_size > 1 else "full"
 
     def save_is_remote(self) -> bool:
         return storage.is_s3(self.save_folder)

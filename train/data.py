@@ -1,15 +1,17 @@
 """Stream one resolution of an encode output, pinned to one dataset version, into Composer.
 
-Two Streaming gotchas shape this module:
+Streaming gotchas that shape this module:
 - a stale `index.json` in the local cache is trusted silently, and encode may publish a new version while
   we train. So we read the manifest, pick the version, and copy THAT version's index
   (`versions/<vid>/<res>/index.json`) into a cache folder keyed by (dataset root, version, resolution)
   before Streaming starts; shards are immutable and shared between versions, so any version's index names
   them correctly below `<root>/<res>/`.
-- two live StreamingDatasets may not share a local folder, and a process killed with SIGKILL leaves its
-  shared-memory registration of that folder behind, which makes the restarted run fail with "Reused local
-  directory". We hold an flock on the folder for the life of the process (the kernel drops it when the
-  process dies), and whoever gets the lock removes registrations of *that* folder only.
+- Streaming shares cache folders and shared memory between processes on a host without guarding either;
+  `train/streaming_host.py` makes both safe (a folder lock per cache folder, a host lock over construction).
+
+Stored files are data, not trusted: every index is checked against the manifest (columns, shapes, sample
+counts, shard names that stay inside the folder) before Streaming sees it, local shard files against their
+index entries, and shards written with hashes are verified when first read.
 
 Every random draw of a training sample is derived from (seed, epoch, sample index) — see `sample_seed` — so
 a run resumed mid-epoch sees exactly the draws the uninterrupted run would have.
@@ -17,34 +19,36 @@ a run resumed mid-epoch sees exactly the draws the uninterrupted run would have.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
+import json
 import logging
 import os
-import random
-import tempfile
-import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from shared import storage
-from shared.contract import LATENT_LOGVAR, LATENT_MEAN, TEXT_EMBEDDING
+from shared.contract import (
+    LATENT_MEAN,
+    SHARD_HASH,
+    TRAIN_COLUMNS,
+    ContractError,
+    IndexSummary,
+    check_index,
+)
 from shared.manifest import DatasetManifest, Layout, fingerprint, read_manifest
-from train.config import DataConfig
+from train.config import DataConfig, ModelConfig
+from train.draws import SAMPLE_SEED, draw_columns
+from train.streaming_host import DataError, claim_local_dir, streaming_prefix_lock
 
 log = logging.getLogger(__name__)
 
-SAMPLE_SEED = "sample_seed"  # int64 batch column: the seed of every random draw for that sample
-TRAIN_COLUMNS = (LATENT_MEAN, LATENT_LOGVAR, TEXT_EMBEDDING)  # key and caption are never decoded into batches
+NUM_TIMESTEPS = ModelConfig.num_train_timesteps  # the default schedule's length (1000)
 _SEED_MASK = (1 << 63) - 1  # torch.Generator and int64 tensors both take a non-negative 63-bit seed
-_LOCK_NAME = ".sd-pretrain.lock"
-_PREFIX_RACE_ATTEMPTS = 5
-_held_locks: dict[str, int] = {}  # local dir -> open fd holding its flock (released when the process exits)
-
-
-class DataError(ValueError):
-    """The dataset cannot be streamed as configured; the message names the fix."""
+_MDS_OFFSET = np.dtype("<u4")  # an MDS shard starts with its sample count, then count + 1 uint32 offsets
 
 
 def sample_seed(seed: int, epoch: int, index: int) -> int:
@@ -64,6 +68,7 @@ class PinnedData:
     manifest: DatasetManifest
     remote: str  # Layout.stream_root(resolution)
     local: str  # cache folder holding this version's index.json (and downloaded shards)
+    hashed: bool = False  # every shard records SHARD_HASH: verify each when first read
 
     @property
     def num_samples(self) -> int:
@@ -81,7 +86,9 @@ class PinnedData:
 
 
 def default_cache_root() -> str:
-    return os.path.join(tempfile.gettempdir(), "sd-pretrain-streaming")
+    """`<tmp>/sd-pretrain-streaming-<uid>`, private to this user: a computable path in the shared temp dir
+    must not let another user plant shards we would train on."""
+    return str(storage.private_temp_dir("sd-pretrain-streaming", "data.cache_dir"))
 
 
 def cache_dir_for(cache_root: str, root: str, version: str, resolution: int) -> str:
@@ -108,12 +115,22 @@ def pin_version(cfg: DataConfig, manifest: DatasetManifest) -> PinnedData:
     layout = Layout(root)
     local = cache_dir_for(cfg.cache_dir, root, vid, cfg.resolution)
     claim_local_dir(local)
-    place_index(layout.version_index(vid, cfg.resolution), local)
-    return PinnedData(root, vid, cfg.resolution, manifest, layout.stream_root(cfg.resolution), local)
+    remote = layout.stream_root(cfg.resolution)
+    summary = place_index(layout.version_index(vid, cfg.resolution), local, manifest, cfg.resolution, remote)
+    if not summary.hashed:
+        log.warning(
+            "%s: not every shard records a %s hash (written before encode hashed shards); shard contents "
+            "are not verified on read. Re-encode into a fresh output.uri to add them",
+            remote, SHARD_HASH,
+        )  # fmt: skip
+    return PinnedData(root, vid, cfg.resolution, manifest, remote, local, summary.hashed)
 
 
-def place_index(index_uri: str, local: str) -> None:
-    """Copy a version's index into the cache folder, replacing whatever index was there."""
+def place_index(
+    index_uri: str, local: str, manifest: DatasetManifest, resolution: int, remote: str
+) -> IndexSummary:
+    """Check a version's index against the manifest (and local shard files against it), then copy it into
+    the cache folder, replacing whatever index was there."""
     try:
         data = storage.read_bytes(index_uri)
     except FileNotFoundError:
@@ -121,97 +138,94 @@ def place_index(index_uri: str, local: str) -> None:
             f"{index_uri} is missing: the dataset version was deleted (e.g. by `make encode-gc`); pass "
             "data.version=<a kept version> or drop data.version to use the current one"
         ) from None
+    try:
+        index = json.loads(data)
+    except ValueError as err:
+        raise ContractError(f"{index_uri} is not valid JSON ({err}); re-run `make encode`") from None
+    info = manifest.resolutions[resolution]
+    summary = check_index(index, info.shapes, info.num_samples, index_uri)
+    if not storage.is_s3(remote):
+        check_shard_files(index, remote)
     storage.write_bytes(os.path.join(local, "index.json"), data)
+    return summary
 
 
-# ------------------------------------------------------------------------------- local dir ownership
-def claim_local_dir(local: str) -> None:
-    """Lock `local` for this process and clear stale Streaming registrations of it left by a killed run.
-
-    Only the node's local leader claims (ranks on a node share the folder by design). Raises when another
-    live process holds the folder.
-    """
-    if int(os.environ.get("LOCAL_RANK", "0")) != 0 or local in _held_locks:
-        return
-    Path(local).mkdir(parents=True, exist_ok=True)
-    fd = os.open(os.path.join(local, _LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise DataError(
-            f"another process is streaming through {local}: two live StreamingDatasets may not share a "
-            "cache folder; give this run its own data.cache_dir"
-        ) from None
-    _held_locks[local] = fd
-    removed = remove_stale_registrations(local)
-    if removed:
-        log.warning("removed %d stale Streaming shared-memory registration(s) of %s", removed, local)
+def check_shard_files(index: dict[str, Any], stream_root: str) -> None:
+    """Local datasets: each uncompressed shard file must be the size its index says and hold the samples it
+    says (a truncated shard, or an index whose count disagrees with its shard, would crash mid-epoch).
+    Reads only each shard's header. S3 shards are checked by their hash when first downloaded."""
+    for shard in index["shards"]:
+        raw = shard["raw_data"]
+        path = storage.contained_path(stream_root, raw["basename"], f"shard {raw['basename']}")
+        if not path.is_file():
+            if shard.get("zip_data"):
+                continue  # only the compressed file is stored; Streaming checks it when it decompresses
+            raise ContractError(f"shard file {path} named by the index is missing; re-run `make encode`")
+        problem = _shard_file_problem(path, int(raw["bytes"]), int(shard["samples"]))
+        if problem:
+            raise ContractError(
+                f"shard file {path} {problem}; it was truncated or edited after `make encode`: re-run "
+                "`make encode` into a fresh output.uri"
+            )
 
 
-def remove_stale_registrations(local: str) -> int:
-    """Unlink Streaming shared memory that registered `local` (only called while we hold its lock)."""
-    # Streaming 0.13 internals: prefixes are scanned from 0 until a free one, LOCALS lists each prefix's
-    # local folders. Any prefix that names our folder belongs to a dead process, since we hold the lock.
-    from streaming.base.constant import BARRIER_FILELOCK, CACHE_FILELOCK, LOCALS, SHM_TO_CLEAN
-    from streaming.base.shared.prefix import _get_path, _unpack_locals
-
-    removed = 0
-    target = os.path.abspath(local)
-    for prefix_int in range(1 << 16):
-        locals_shm = _attach_shm(_get_path(prefix_int, LOCALS))
-        locks = [
-            os.path.join(tempfile.gettempdir(), _get_path(prefix_int, n))
-            for n in (BARRIER_FILELOCK, CACHE_FILELOCK)
-        ]
-        if locals_shm is None:
-            if any(os.path.exists(p) for p in locks):
-                continue
-            break
-        their_locals, _ = _unpack_locals(bytes(locals_shm.buf))
-        locals_shm.close()
-        if target not in (os.path.abspath(p) for p in their_locals):
-            continue
-        for name in SHM_TO_CLEAN:
-            removed += _unlink_shm(_get_path(prefix_int, name))
-        for path in locks:
-            Path(path).unlink(missing_ok=True)
-    return removed
-
-
-def _attach_shm(name: str) -> Any:
-    from multiprocessing import shared_memory
-
-    try:
-        return shared_memory.SharedMemory(name=name, create=False)
-    except (FileNotFoundError, PermissionError):
-        return None
-
-
-def _unlink_shm(name: str) -> int:
-    shm = _attach_shm(name)
-    if shm is None:
-        return 0
-    shm.close()
-    shm.unlink()
-    return 1
+def _shard_file_problem(path: Path, size: int, samples: int) -> str | None:
+    actual = path.stat().st_size
+    if actual != size:
+        return f"is {actual} bytes but its index says {size}"
+    with open(path, "rb") as handle:
+        header = handle.read(_MDS_OFFSET.itemsize * (samples + 2))
+    if len(header) < _MDS_OFFSET.itemsize * (samples + 2):
+        return f"is too short for the {samples} samples its index says"
+    count, *offsets = np.frombuffer(header, _MDS_OFFSET).tolist()
+    if count != samples:
+        return f"holds {count} samples but its index says {samples}"
+    if offsets[-1] != actual:
+        return f"ends its last sample at byte {offsets[-1]}, not at its size {actual}"
+    return None
 
 
 # --------------------------------------------------------------------------------------------- dataset
 def _streaming_dataset_class() -> type:
     from streaming import StreamingDataset
 
+    from train.mds_reader import decode_train_columns_only
+
     class LatentStreamingDataset(StreamingDataset):
         """StreamingDataset whose rows carry only the precomputed columns plus a per-sample seed.
 
         Streaming picks the epoch inside `__iter__` on each worker; `_get_work` is where that value is
-        handed over, so we note it there and mix it into each row's seed.
+        handed over, so we note it there and mix it into each row's seed. A shard that fails its hash
+        check fails in Streaming's download thread, which the reading thread reports only as "Background
+        thread failed"; `prepare_shard` keeps the real error so `get_item` raises it.
         """
 
-        def __init__(self, *, seed: int, **kwargs: Any) -> None:
+        def __init__(self, *, seed: int, num_timesteps: int, **kwargs: Any) -> None:
             super().__init__(**kwargs)
+            decode_train_columns_only(self.shards)
             self.sample_seed_base = seed
+            self.num_timesteps = num_timesteps
             self.current_epoch = 0
+            self.shard_failure: DataError | None = None
+
+        def prepare_shard(self, shard_id: int, blocking: bool = True) -> None:
+            try:
+                super().prepare_shard(shard_id, blocking)
+            except ValueError as err:
+                if "Checksum failure" not in str(err):
+                    raise
+                self.shard_failure = DataError(
+                    f"{err}: the shard's bytes do not match the {SHARD_HASH} hash its index recorded at "
+                    "encode time, so it was changed or damaged after encoding; re-run `make encode` into "
+                    "a fresh output.uri (or restore the file)"
+                )
+                raise self.shard_failure from None
+
+        def __iter__(self) -> Iterator[dict[str, Any]]:
+            # A failed download thread can end Streaming's epoch early and quietly; never end it on one.
+            yield from super().__iter__()
+            if self.shard_failure is not None:
+                raise self.shard_failure
 
         def _get_work(self, epoch: int, sample_in_epoch: int) -> Any:
             self.current_epoch = epoch
@@ -220,40 +234,39 @@ def _streaming_dataset_class() -> type:
         def get_item(self, sample_id: int, retry: int = 7) -> dict[str, Any]:
             import torch
 
-            row = super().get_item(sample_id, retry)
+            try:
+                row = super().get_item(sample_id, retry)
+            except RuntimeError:
+                if self.shard_failure is not None:
+                    raise self.shard_failure from None
+                raise
             # MDS hands out read-only views of the shard; copy so torch owns writable memory.
-            out = {name: torch.from_numpy(row[name].copy()) for name in TRAIN_COLUMNS}
+            # A dataset stores one of the two text columns (text.store): take whichever this one has.
+            out = {name: torch.from_numpy(row[name].copy()) for name in TRAIN_COLUMNS if name in row}
             seed = sample_seed(self.sample_seed_base, self.current_epoch, int(sample_id))
             out[SAMPLE_SEED] = torch.tensor(seed, dtype=torch.int64)
-            return out
+            # Drawn here, in the loader worker, so they reach the step in the pinned batch (train/draws.py).
+            return out | draw_columns(seed, tuple(out[LATENT_MEAN].shape), self.num_timesteps)
 
     return LatentStreamingDataset
 
 
-def build_dataset(cfg: DataConfig, pinned: PinnedData, per_rank_batch: int, seed: int) -> Any:
-    """The StreamingDataset over the pinned version (remote shards, private local cache).
-
-    Streaming picks its shared-memory prefix by "find the first free one, then create it", which races
-    with any other process on the machine starting a StreamingDataset at the same moment (FileExistsError).
-    Nothing is allocated before that point, so a single-process run simply tries again; under
-    torch.distributed the ranks meet in barriers inside that code, so there we let the error surface.
-    """
-    import torch.distributed as torch_dist
-
-    attempts = 1 if torch_dist.is_available() and torch_dist.is_initialized() else _PREFIX_RACE_ATTEMPTS
-    for attempt in range(1, attempts):
-        try:
-            return _new_dataset(cfg, pinned, per_rank_batch, seed)
-        except FileExistsError as err:
-            log.warning("Streaming shared-memory prefix race (%s); retrying (%d/%d)", err, attempt, attempts)
-            time.sleep(random.uniform(0.05, 0.5))
-    return _new_dataset(cfg, pinned, per_rank_batch, seed)
+def build_dataset(
+    cfg: DataConfig, pinned: PinnedData, per_rank_batch: int, seed: int, num_timesteps: int = NUM_TIMESTEPS
+) -> Any:
+    """The StreamingDataset over the pinned version (remote shards, private local cache); rows carry the
+    per-sample draws for a schedule of `num_timesteps` (model.num_train_timesteps)."""
+    with streaming_prefix_lock():
+        return _new_dataset(cfg, pinned, per_rank_batch, seed, num_timesteps)
 
 
-def _new_dataset(cfg: DataConfig, pinned: PinnedData, per_rank_batch: int, seed: int) -> Any:
+def _new_dataset(
+    cfg: DataConfig, pinned: PinnedData, per_rank_batch: int, seed: int, num_timesteps: int
+) -> Any:
     cls = _streaming_dataset_class()
     return cls(
         seed=seed,
+        num_timesteps=num_timesteps,
         remote=pinned.remote,
         local=pinned.local,
         batch_size=per_rank_batch,
@@ -265,14 +278,17 @@ def _new_dataset(cfg: DataConfig, pinned: PinnedData, per_rank_batch: int, seed:
         predownload=cfg.predownload,
         cache_limit=cfg.cache_limit,
         download_timeout=cfg.download_timeout,
+        validate_hash=SHARD_HASH if pinned.hashed else None,
     )
 
 
-def build_dataloader(cfg: DataConfig, pinned: PinnedData, per_rank_batch: int, seed: int) -> Any:
+def build_dataloader(
+    cfg: DataConfig, pinned: PinnedData, per_rank_batch: int, seed: int, num_timesteps: int = NUM_TIMESTEPS
+) -> Any:
     """A StreamingDataLoader (Composer checkpoints its dataset's position, so resumes are mid-epoch exact)."""
     from streaming import StreamingDataLoader
 
-    dataset = build_dataset(cfg, pinned, per_rank_batch, seed)
+    dataset = build_dataset(cfg, pinned, per_rank_batch, seed, num_timesteps)
     check_one_batch_per_epoch(len(dataset), per_rank_batch, cfg)
     extra: dict[str, Any] = {}
     if cfg.num_workers > 0:

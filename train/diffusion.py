@@ -1,9 +1,9 @@
 """The diffusion objective and the ComposerModel around a diffusers U-Net.
 
-A training row holds the VAE posterior (mean, logvar, unscaled) and the text embedding. Per sample, with a
-generator seeded by the row's `sample_seed` (train/data.py), we draw in a fixed order: the caption-dropout
-coin, the timestep, the latent posterior eps, the diffusion noise and the offset-noise vector. Nothing
-touches a global RNG, so resumed runs are exact and results do not depend on how a batch was split.
+A training row holds the VAE posterior (mean, logvar, unscaled), the text embedding and the per-sample
+draws (caption-dropout coin, timestep, latent eps, noise, offset direction) that the loader workers derive
+from the row's seed (train/draws.py). The step itself draws nothing and never reads a device tensor back
+to the host: the schedule table and the empty-caption embedding move to the batch's device once and stay.
 
 Latent = (mean + exp(0.5 * logvar) * eps) * scale_factor — the manifest's factor, applied exactly once.
 """
@@ -16,9 +16,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from composer.models import ComposerModel
 
-from shared.contract import LATENT_LOGVAR, LATENT_MEAN, TEXT_EMBEDDING
+from shared.contract import LATENT_LOGVAR, LATENT_MEAN, TEXT_EMBEDDING, TEXT_TOKENS
 from train.config import ModelConfig
-from train.data import SAMPLE_SEED
+from train.draws import SampleDraws, draw_for_samples
+from train.online_text import OnlineText
+
+__all__ = ["DenoiseInput", "DiffusionModel", "Objective", "SampleDraws", "TrainingInputs", "draw_for_samples"]
 
 if TYPE_CHECKING:
     from diffusers import UNet2DConditionModel
@@ -47,32 +50,6 @@ def training_alphas_cumprod(cfg: ModelConfig) -> torch.Tensor:
     return sched.alphas_cumprod.to(torch.float32).clone()
 
 
-# --------------------------------------------------------------------------------------------- draws
-@dataclass
-class SampleDraws:
-    """Every random number one batch needs, drawn per sample from its own seed (all on CPU)."""
-
-    coin: torch.Tensor  # [B] uniform in [0, 1): caption dropout when < p
-    timesteps: torch.Tensor  # [B] int64 in [0, T)
-    latent_eps: torch.Tensor  # [B, C, H, W]: posterior sample noise
-    noise: torch.Tensor  # [B, C, H, W]: diffusion noise
-    offset: torch.Tensor  # [B, C]: offset-noise direction (drawn even when unused, so the order is fixed)
-
-
-def draw_for_samples(seeds: torch.Tensor, latent_shape: tuple[int, ...], num_timesteps: int) -> SampleDraws:
-    coins, steps, eps, noise, offset = [], [], [], [], []
-    for seed in seeds.tolist():
-        gen = torch.Generator().manual_seed(int(seed))
-        coins.append(torch.rand((), generator=gen))
-        steps.append(torch.randint(0, num_timesteps, (), generator=gen))
-        eps.append(torch.randn(latent_shape, generator=gen))
-        noise.append(torch.randn(latent_shape, generator=gen))
-        offset.append(torch.randn(latent_shape[0], generator=gen))
-    return SampleDraws(
-        torch.stack(coins), torch.stack(steps), torch.stack(eps), torch.stack(noise), torch.stack(offset)
-    )
-
-
 # ------------------------------------------------------------------------------------------ objective
 @dataclass
 class TrainingInputs:
@@ -86,34 +63,59 @@ class TrainingInputs:
 class Objective:
     """Turns a batch of stored posteriors + embeddings into U-Net inputs, targets and loss weights."""
 
-    def __init__(self, cfg: ModelConfig, scale_factor: float, empty_caption: torch.Tensor):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        scale_factor: float,
+        empty_caption: torch.Tensor,
+        online_text: OnlineText | None = None,
+    ):
         self.prediction_type = cfg.prediction_type
         self.caption_dropout = cfg.caption_dropout
         self.offset_noise = cfg.offset_noise
         self.min_snr_gamma = cfg.min_snr_gamma
         self.scale_factor = float(scale_factor)
         # Plain tensors, not buffers: Composer's EMA averages buffers too, which would blur these constants.
+        # They follow the batch to its device once (`to_device`), not on every step.
         self.alphas_cumprod = training_alphas_cumprod(cfg)
         self.empty_caption = empty_caption.to(torch.float32)
+        # text.store=tokens: the frozen tower, a plain attribute, not a submodule (train/online_text.py).
+        self.online_text = online_text
 
     @property
     def num_timesteps(self) -> int:
         return int(self.alphas_cumprod.shape[0])
 
+    def to_device(self, device: torch.device) -> None:
+        """Keep the schedule and the empty-caption embedding where the batches are (a no-op after once)."""
+        if self.alphas_cumprod.device != device:
+            self.alphas_cumprod = self.alphas_cumprod.to(device)
+            self.empty_caption = self.empty_caption.to(device)
+
     def prepare(self, batch: dict[str, torch.Tensor]) -> TrainingInputs:
+        """U-Net inputs from a batch that carries its draws (train/draws.py): device work only, no sync."""
         mean = batch[LATENT_MEAN]
-        device = mean.device
-        draws = draw_for_samples(batch[SAMPLE_SEED], tuple(mean.shape[1:]), self.num_timesteps)
-        latents = self.sample_latents(mean, batch[LATENT_LOGVAR], draws.latent_eps.to(device))
-        noise = draws.noise.to(device)
+        self.to_device(mean.device)
+        draws = SampleDraws.from_batch(batch)
+        latents = self.sample_latents(mean, batch[LATENT_LOGVAR], draws.latent_eps)
+        noise = draws.noise
         if self.offset_noise:
-            noise = noise + self.offset_noise * draws.offset.to(device)[:, :, None, None]
-        t = draws.timesteps.to(device)
-        ac = self.alphas_cumprod.to(device)[t][:, None, None, None]
+            noise = noise + self.offset_noise * draws.offset[:, :, None, None]
+        t = draws.timesteps
+        ac = self.alphas_cumprod[t][:, None, None, None]
         noisy = ac.sqrt() * latents + (1 - ac).sqrt() * noise
         target = noise if self.prediction_type == "epsilon" else ac.sqrt() * noise - (1 - ac).sqrt() * latents
-        text = self.drop_captions(batch[TEXT_EMBEDDING].to(torch.float32), draws.coin.to(device))
+        text = self.condition(batch, draws.coin)
         return TrainingInputs(noisy, t, text, target, self.loss_weight(t))
+
+    def condition(self, batch: dict[str, torch.Tensor], coin: torch.Tensor) -> torch.Tensor:
+        """The text embeddings the U-Net sees after caption dropout: stored, or computed from token ids
+        (text.store=tokens) with the same coin, so both modes drop the same samples."""
+        if TEXT_TOKENS not in batch:
+            return self.drop_captions(batch[TEXT_EMBEDDING].to(torch.float32), coin)
+        if self.online_text is None:
+            raise ValueError("a batch of token ids (text.store=tokens) needs an Objective with online_text")
+        return self.online_text.embed(batch[TEXT_TOKENS], coin < self.caption_dropout)
 
     def sample_latents(self, mean: torch.Tensor, logvar: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
         """A fresh draw from the stored posterior, times the manifest's scale factor (applied here only)."""
@@ -121,7 +123,7 @@ class Objective:
         return (mean + torch.exp(0.5 * logvar) * eps) * self.scale_factor
 
     def drop_captions(self, text: torch.Tensor, coin: torch.Tensor) -> torch.Tensor:
-        drop = (coin < self.caption_dropout)[:, None, None]
+        drop = (coin.to(text.device) < self.caption_dropout)[:, None, None]
         return torch.where(drop, self.empty_caption.to(text.device)[None], text)
 
     def loss_weight(self, t: torch.Tensor) -> torch.Tensor:
@@ -148,16 +150,22 @@ class DenoiseInput:
 class DiffusionModel(ComposerModel):
     """ComposerModel: forward = U-Net prediction on freshly noised latents; loss = weighted MSE."""
 
-    def __init__(self, unet: UNet2DConditionModel, objective: Objective):
+    def __init__(self, unet: UNet2DConditionModel, objective: Objective, channels_last: bool = False):
         super().__init__()
         self.unet = unet
         self.objective = objective
+        # The layout the U-Net's weights are in (train/model.py); its inputs are given the same one.
+        self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
+
+    def denoise(self, latents: torch.Tensor, timesteps: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
+        latents = latents.contiguous(memory_format=self.memory_format)
+        return self.unet(latents, timesteps, encoder_hidden_states=text).sample
 
     def forward(self, batch: Any) -> Any:
         if isinstance(batch, DenoiseInput):
-            return self.unet(batch.latents, batch.timesteps, encoder_hidden_states=batch.text).sample
+            return self.denoise(batch.latents, batch.timesteps, batch.text)
         inputs = self.objective.prepare(batch)
-        pred = self.unet(inputs.noisy, inputs.timesteps, encoder_hidden_states=inputs.text).sample
+        pred = self.denoise(inputs.noisy, inputs.timesteps, inputs.text)
         return pred, inputs.target, inputs.weight
 
     def loss(self, outputs: Any, batch: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -167,10 +175,3 @@ class DiffusionModel(ComposerModel):
 
     def get_metrics(self, is_train: bool = False) -> dict[str, Any]:
         return {}
-
-    def fsdp_wrap_fn(self, module: torch.nn.Module) -> bool:
-        """FSDP units: each transformer and ResNet block (fine-grained enough to overlap comms)."""
-        from diffusers.models.resnet import ResnetBlock2D
-        from diffusers.models.transformers.transformer_2d import Transformer2DModel
-
-        return isinstance(module, (Transformer2DModel, ResnetBlock2D))

@@ -1,7 +1,8 @@
 """Checkpoint -> diffusers StableDiffusionPipeline folder (EMA U-Net + the dataset's VAE and text encoder).
 
-The checkpoint's RunRecord says which encoders made the latents (`encoder_config`: pretrained source and
-text backend) and their weight fingerprints; we rebuild them the same way and refuse to export when the
+The checkpoint's RunRecord says which encoders made the latents (its EncoderIdentity, shared/encoders.py:
+pretrained source, text backend, weight fingerprints; older checkpoints: `encoders` + `encoder_config`),
+whichever text.store the dataset used; we rebuild them the same way and refuse to export when the
 fingerprints differ (the U-Net would be paired with a VAE/text encoder it never saw). The VAE's
 `scaling_factor` is set to the one training applied, and the U-Net's `sample_size` to the trained latent size.
 """
@@ -16,15 +17,16 @@ from typing import Any
 
 from shared import storage
 from shared.config import build_dataclass
+from shared.encoders import EncoderIdentity
 from shared.models import (
-    build_text_encoder,
     build_tokenizer,
     build_vae,
     openclip_to_transformers,
     weights_fingerprint,
 )
 from shared.presets import Preset, get_preset
-from train.checkpoints import fetch_checkpoint, read_checkpoint
+from train.checkpoints import fetched_checkpoint, resolve_checkpoint
+from train.checkpoints_sharded import read_full_checkpoint
 from train.config import ModelConfig, SamplerKind
 from train.ema import select_unet_weights
 from train.samples import inference_scheduler
@@ -81,21 +83,20 @@ def export_unet(state: dict[str, Any], record: dict[str, Any], preset: Preset, w
 
 
 def export_vae(record: dict[str, Any], preset: Preset, allow: bool) -> Any:
-    vae = build_vae(preset, record["encoder_config"].get("pretrained"))
-    check_fingerprint("VAE", record["encoders"].get("vae"), weights_fingerprint(vae), allow)
+    identity = EncoderIdentity.from_record(record)
+    vae = build_vae(preset, identity.pretrained)
+    check_fingerprint("VAE", identity.vae_hash, weights_fingerprint(vae), allow)
     vae.register_to_config(scaling_factor=float(record["scale_factor"]))
     return vae
 
 
 def export_text(record: dict[str, Any], preset: Preset, allow: bool) -> tuple[Any, Any]:
     """A transformers CLIPTextModel + tokenizer with encode's text weights (converted from OpenCLIP if so)."""
-    enc_cfg = record["encoder_config"]
-    backend = enc_cfg.get("text_backend", "transformers")
-    pretrained = enc_cfg.get("pretrained")
-    encoder = build_text_encoder(preset, backend, pretrained, enc_cfg.get("open_clip_checkpoint"))
-    check_fingerprint("text encoder", record["encoders"].get("text"), encoder.fingerprint(), allow)
-    if backend == "open_clip":
-        return openclip_to_transformers(encoder.model, preset), build_tokenizer(preset, pretrained)
+    identity = EncoderIdentity.from_record(record)
+    encoder = identity.build_text_encoder()
+    check_fingerprint("text encoder", identity.text_hash, encoder.fingerprint(), allow)
+    if identity.text_backend == "open_clip":
+        return openclip_to_transformers(encoder.model, preset), build_tokenizer(preset, identity.pretrained)
     return encoder.model, encoder.tokenizer
 
 
@@ -111,9 +112,9 @@ def export_pipeline(
 
     if weights not in ("ema", "training"):
         raise ExportError(f"weights must be ema or training, got {weights!r}")
-    scratch = tempfile.mkdtemp(prefix="sd-export-")
-    local_ckpt = fetch_checkpoint(checkpoint, scratch)
-    state = read_checkpoint(local_ckpt)["state"]
+    source = resolve_checkpoint(checkpoint)
+    with fetched_checkpoint(source) as local_ckpt:  # an s3:// download is removed when this block ends
+        state = read_full_checkpoint(local_ckpt)["state"]
     record = run_record_of(state)
     preset = get_preset(record["preset"])
     unet, what = export_unet(state, record, preset, weights)
@@ -129,9 +130,17 @@ def export_pipeline(
         feature_extractor=None,
         requires_safety_checker=False,
     )
-    target = str(Path(scratch) / "pipeline") if storage.is_s3(out) else out
-    pipe.save_pretrained(target, safe_serialization=True)
-    if storage.is_s3(out):
+    save_pipeline(pipe, out)
+    log.info("exported %s weights of %s to %s", what, source, out)
+    return ExportResult(out, source, what)
+
+
+def save_pipeline(pipe: Any, out: str) -> None:
+    """save_pretrained to a local folder, or stage it in a scratch folder (removed after) for s3://."""
+    if not storage.is_s3(out):
+        pipe.save_pretrained(out, safe_serialization=True)
+        return
+    with tempfile.TemporaryDirectory(prefix="sd-export-") as scratch:
+        target = str(Path(scratch) / "pipeline")
+        pipe.save_pretrained(target, safe_serialization=True)
         storage.upload_dir(target, out)
-    log.info("exported %s weights of %s to %s", what, local_ckpt, out)
-    return ExportResult(out, str(local_ckpt), what)

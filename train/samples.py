@@ -1,8 +1,9 @@
 """Sample grids during training: fixed prompts, EMA weights, classifier-free guidance, DDIM/Euler, VAE decode.
 
-The prompts are encoded once with the text encoder the dataset was encoded with (the manifest's
-`config.encoder`); the unconditional embedding is the manifest's `empty_caption_embedding` — exactly what
-caption dropout trained on. The starting noise is fixed by `samples.seed`, so grids compare over training.
+The prompts are encoded once with the text encoder the dataset names (its manifest's EncoderIdentity,
+whichever text.store it has); the unconditional embedding is the manifest's `empty_caption_embedding`,
+exactly what caption dropout trained on (text.store=tokens computes that same embedding online). The
+starting noise is fixed by `samples.seed`, so grids compare over training.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from composer.loggers import Logger
 from composer.utils import dist
 from composer.utils.misc import create_interval_scheduler
 
-from shared.models import build_text_encoder, build_vae
+from shared.encoders import EncoderIdentity
+from shared.models import build_vae
 from shared.presets import get_preset
 from train.config import SamplesConfig
 from train.diffusion import DenoiseInput, scheduler_kwargs
@@ -96,7 +98,7 @@ class SampleRenderer(Callback):
         self,
         cfg: SamplesConfig,
         model_cfg: Any,
-        encoder_cfg: dict[str, Any],
+        encoder: EncoderIdentity,
         empty_caption: torch.Tensor,
         latent_shape: tuple[int, int, int],
         scale_factor: float,
@@ -104,7 +106,7 @@ class SampleRenderer(Callback):
     ):
         self.cfg = cfg
         self.model_cfg = model_cfg
-        self.encoder_cfg = encoder_cfg
+        self.encoder = encoder
         self.empty_caption = empty_caption.to(torch.float32)
         self.latent_shape = latent_shape
         self.scale_factor = scale_factor
@@ -129,16 +131,10 @@ class SampleRenderer(Callback):
     def _prepare(self, device: torch.device) -> None:
         """Build the VAE and encode the prompts once (the text encoder is dropped afterwards)."""
         preset = get_preset(self.model_cfg.preset)
-        pretrained = self.encoder_cfg.get("pretrained")
-        text = build_text_encoder(
-            preset,
-            self.encoder_cfg.get("text_backend", "transformers"),
-            pretrained,
-            self.encoder_cfg.get("open_clip_checkpoint"),
-        )
+        text = self.encoder.build_text_encoder()
         prompts = [p for p in self.cfg.prompts for _ in range(self.cfg.images_per_prompt)]
         self.prompt_embeddings = text.encode(prompts).to(device)
-        self.vae = build_vae(preset, pretrained).to(device)
+        self.vae = build_vae(preset, self.encoder.pretrained).to(device)
 
     def render(self, state: State) -> None:
         """Sample on every rank (an FSDP forward is collective); rank 0 writes the grid."""

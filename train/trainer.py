@@ -11,7 +11,6 @@ import dataclasses
 import json
 import logging
 import os
-import tempfile
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -19,20 +18,29 @@ from typing import TYPE_CHECKING, Any
 import torch
 import yaml
 
+from shared.batching import Batching, derive_batching
 from shared.config import ConfigError, config_to_dict
 from shared.contract import Expectation, check_compatible
 from shared.manifest import DatasetManifest
-from shared.models import build_unet as build_preset_unet
 from shared.presets import get_preset
-from train.batching import Batching, derive_batching
-from train.checkpoints import CHECKPOINT_FILENAME, LATEST_NAME, find_latest_checkpoint, resolve_checkpoint
+from shared.runtime import resolve_device_kind
+from shared.runtime import resolve_precision as resolve_job_precision
+from shared.storage import private_temp_dir
+from train.checkpoints import (
+    CHECKPOINT_FILENAME,
+    LATEST_NAME,
+    find_latest_checkpoint,
+    resolve_checkpoint,
+)
+from train.checkpoints_sharded import composer_loads_safely, fsdp_checkpoint_options
 from train.config import TrainConfig
 from train.data import PinnedData, build_dataloader, pin_version, read_dataset_manifest
-from train.diffusion import DiffusionModel, Objective
+from train.diffusion import DiffusionModel
+from train.model import assemble_model, build_unet  # noqa: F401  (build_unet: re-exported for callers)
+from train.online_text import online_text_for
 
 if TYPE_CHECKING:
     from composer import Trainer
-    from diffusers import UNet2DConditionModel
 
 log = logging.getLogger(__name__)
 
@@ -65,22 +73,15 @@ class RunContext:
 
 # ---------------------------------------------------------------------------------------- preparing
 def resolve_device(cfg: TrainConfig) -> str:
-    has_gpu = torch.cuda.is_available()
-    if cfg.device == "gpu" and not has_gpu:
-        raise ConfigError("device=gpu but no CUDA device is visible; use device=auto or device=cpu")
-    device = "gpu" if has_gpu and cfg.device != "cpu" else "cpu"
+    device = resolve_device_kind(cfg.device)
     if device == "cpu" and cfg.fsdp:
         raise ConfigError("fsdp=true needs GPUs and none is visible; pass fsdp=false for a CPU run")
     return device
 
 
 def resolve_precision(cfg: TrainConfig, device: str) -> str:
-    """auto -> amp_bf16 on GPU, fp32 on CPU (Composer's CPU device only trains in fp32)."""
-    if cfg.precision == "auto":
-        return "amp_bf16" if device == "gpu" else "fp32"
-    if device == "cpu" and cfg.precision != "fp32":
-        raise ConfigError(f"precision={cfg.precision} needs a GPU; on CPU use precision=fp32 (or auto)")
-    return cfg.precision
+    """auto -> amp_bf16 on GPU, fp32 on CPU (shared/runtime.py resolves it for every job)."""
+    return resolve_job_precision(cfg.precision, device)
 
 
 def world_size() -> int:
@@ -105,7 +106,8 @@ def local_run_dir(cfg: TrainConfig, run_name: str) -> str:
         return cfg.log.local_dir
     if not cfg.save_is_remote():
         return cfg.save_folder
-    return os.path.join(tempfile.gettempdir(), "sd-pretrain-runs", run_name)
+    # Per user and private: a computable shared /tmp path could be planted by another user.
+    return str(private_temp_dir("sd-pretrain-runs", "log.local_dir") / run_name)
 
 
 def resolve_start(cfg: TrainConfig) -> StartPoint:
@@ -158,19 +160,11 @@ def log_run(ctx: RunContext) -> None:
 
 
 # ------------------------------------------------------------------------------------------ the model
-def build_unet(cfg: TrainConfig) -> UNet2DConditionModel:
-    """Random init with the preset's shapes (pretraining) or model.init_from's unet/."""
-    unet = build_preset_unet(get_preset(cfg.model.preset), cfg.model.init_from)
-    if cfg.model.gradient_checkpointing:
-        unet.enable_gradient_checkpointing()
-    return unet.train()
-
-
 def build_model(ctx: RunContext) -> DiffusionModel:
-    manifest = ctx.manifest
-    empty = torch.from_numpy(manifest.empty_caption_embedding.astype("float32"))
-    objective = Objective(ctx.cfg.model, manifest.scale_factor, empty)
-    return DiffusionModel(build_unet(ctx.cfg), objective)
+    """The model for this run's device (train/model.py; `make bench` builds it the same way)."""
+    empty = torch.from_numpy(ctx.manifest.empty_caption_embedding.astype("float32"))
+    online = online_text_for(ctx.manifest, ctx.cfg.model.text_encoder)  # text.store=tokens only
+    return assemble_model(ctx.cfg, ctx.device, ctx.manifest.scale_factor, empty, online)
 
 
 def run_record(ctx: RunContext, model: DiffusionModel) -> dict[str, Any]:
@@ -185,7 +179,8 @@ def run_record(ctx: RunContext, model: DiffusionModel) -> dict[str, Any]:
         "model": config_to_dict(ctx.cfg.model),
         "scale_factor": float(manifest.scale_factor),
         "encoders": dict(manifest.fingerprints.get("encoders", {})),
-        "encoder_config": dict(manifest.config.get("encoder", {})),
+        "encoder_config": dict(manifest.config.get("encoder", {})),  # as encode resolved it (kept as is)
+        "encoder": manifest.identity.record(),  # what export and samples read (shared/encoders.py)
     }
 
 
@@ -227,12 +222,20 @@ def build_algorithms(ctx: RunContext) -> list[Any]:
 def build_callbacks(ctx: RunContext, model: DiffusionModel) -> list[Any]:
     from composer.callbacks import LRMonitor, MemoryMonitor, RuntimeEstimator, SpeedMonitor
 
-    from train.callbacks import ArtifactMirror, RemoteCheckpointRetention, RunRecord
+    from train.callbacks import ArtifactMirror, CheckpointRetention, RunRecord
+    from train.guards import NonFiniteGuard
+    from train.lease import DatasetLease
     from train.samples import SampleRenderer
+    from train.step_loop import StepLossLog
 
     cfg = ctx.cfg
     callbacks: list[Any] = [
+        # Before Composer's CheckpointSaver (appended after these): NaN weights are never saved, and every
+        # step's loss is in metrics.jsonl before the checkpoint covering it is published.
+        NonFiniteGuard(cfg.log.console_interval, cfg.save_interval),
+        StepLossLog(cfg.log.console_interval, cfg.save_interval),
         RunRecord(run_record(ctx, model), allow_dataset_change=cfg.data.allow_dataset_change),
+        DatasetLease(cfg.data.uri, ctx.manifest.version, ctx.run_name),  # `encode gc` keeps this version
         SpeedMonitor(window_size=cfg.log.speed_window),
         LRMonitor(),
         RuntimeEstimator(),
@@ -245,7 +248,7 @@ def build_callbacks(ctx: RunContext, model: DiffusionModel) -> list[Any]:
             SampleRenderer(
                 cfg.samples,
                 cfg.model,
-                dict(ctx.manifest.config.get("encoder", {})),
+                ctx.manifest.identity,
                 model.objective.empty_caption,
                 preset.latent_shape(cfg.data.resolution),
                 ctx.manifest.scale_factor,
@@ -255,10 +258,25 @@ def build_callbacks(ctx: RunContext, model: DiffusionModel) -> list[Any]:
     if cfg.save_is_remote():
         restore = (METRICS_FILENAME,)
         callbacks.append(ArtifactMirror(ctx.local_dir, cfg.save_folder, cfg.save_interval, restore=restore))
-        keep = cfg.save_num_remote_checkpoints_to_keep
-        if keep > 0:
-            callbacks.append(RemoteCheckpointRetention(cfg.save_folder, keep))
+    if save_folder_keep(cfg) > 0:
+        callbacks.append(CheckpointRetention(cfg.save_folder, save_folder_keep(cfg), cfg.save_interval))
     return callbacks
+
+
+def save_folder_keep(cfg: TrainConfig) -> int:
+    """How many checkpoints CheckpointRetention keeps in save_folder (<= 0: it does not run)."""
+    if cfg.save_is_remote():
+        return cfg.save_num_remote_checkpoints_to_keep
+    return cfg.save_num_checkpoints_to_keep
+
+
+def composer_keep(cfg: TrainConfig) -> int:
+    """Composer's own pruning: of its local copies of an s3:// run; off (-1) for a local save folder, where
+    CheckpointRetention prunes by listing (Composer's pruning forgets earlier jobs, and its os.remove
+    would fail on a file retention already deleted)."""
+    if cfg.save_is_remote() or cfg.save_num_checkpoints_to_keep <= 0:
+        return cfg.save_num_checkpoints_to_keep
+    return -1
 
 
 def build_loggers(ctx: RunContext) -> list[Any]:
@@ -294,8 +312,14 @@ def parallelism_config(ctx: RunContext) -> dict[str, Any] | None:
     return {
         "fsdp": {
             "sharding_strategy": ctx.cfg.fsdp_sharding_strategy,
-            "mixed_precision": "DEFAULT",
-            "state_dict_type": "full",  # one file per checkpoint, loadable by export and on any world size
+            # Composer's "DEFAULT" with the reduce dtype from the config (param/buffer dtype: precision's).
+            "mixed_precision": {
+                "param_dtype": ctx.precision,
+                "reduce_dtype": ctx.cfg.fsdp_reduce_dtype,
+                "buffer_dtype": ctx.precision,
+            },
+            # full (one .pt from rank 0) or sharded (each rank writes its part): config checkpoint_format
+            **fsdp_checkpoint_options(ctx.cfg.resolved_checkpoint_format(ctx.batching.world_size)),
             "use_orig_params": True,
         }
     }
@@ -315,7 +339,7 @@ def write_resolved_config(ctx: RunContext) -> None:
 
 
 def build_trainer(cfg: TrainConfig) -> Trainer:
-    from composer import Trainer
+    from train.step_loop import LeanTrainer
 
     ctx = prepare_run(cfg)
     model = build_model(ctx)
@@ -326,38 +350,43 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
     from composer.utils import dist
 
     dist.initialize_dist(ctx.device)
-    dataloader = build_dataloader(cfg.data, ctx.pinned, ctx.batching.per_rank_batch, cfg.seed)
-    return Trainer(
-        model=model,
-        train_dataloader=dataloader,
-        max_duration=cfg.max_duration,
-        optimizers=build_optimizer(cfg, model),
-        schedulers=build_schedulers(cfg),
-        step_schedulers_every_batch=True,
-        algorithms=build_algorithms(ctx),
-        callbacks=build_callbacks(ctx, model),
-        loggers=build_loggers(ctx),
-        run_name=ctx.run_name,
-        progress_bar=False,
-        log_to_console=True,
-        console_log_interval=cfg.log.console_interval,
-        load_path=ctx.start.load_path,
-        load_weights_only=ctx.start.weights_only,
-        save_folder=cfg.save_folder,
-        save_filename=CHECKPOINT_FILENAME,
-        save_latest_filename=LATEST_NAME,
-        save_interval=cfg.save_interval,
-        save_num_checkpoints_to_keep=cfg.save_num_checkpoints_to_keep,
-        # After a crash the dead attempt may have written checkpoints past the one we resume from.
-        save_overwrite=cfg.autoresume,
-        autoresume=False,  # resolved by resolve_start (Composer's own mishandles s3:// save folders)
-        parallelism_config=parallelism_config(ctx),
-        device=ctx.device,
-        precision=ctx.precision,
-        device_train_microbatch_size=ctx.batching.microbatch,
-        seed=cfg.seed,
-        compile_config={} if cfg.compile else None,
+    dataloader = build_dataloader(
+        cfg.data, ctx.pinned, ctx.batching.per_rank_batch, cfg.seed, cfg.model.num_train_timesteps
     )
+    # Composer loads load_path inside Trainer(): safely (a checkpoint is data), in the format this run writes.
+    checkpoint_format = cfg.resolved_checkpoint_format(ctx.batching.world_size)
+    with composer_loads_safely(ctx.start.load_path, checkpoint_format) as load_path:
+        return LeanTrainer(
+            model=model,
+            train_dataloader=dataloader,
+            max_duration=cfg.max_duration,
+            optimizers=build_optimizer(cfg, model),
+            schedulers=build_schedulers(cfg),
+            step_schedulers_every_batch=True,
+            algorithms=build_algorithms(ctx),
+            callbacks=build_callbacks(ctx, model),
+            loggers=build_loggers(ctx),
+            run_name=ctx.run_name,
+            progress_bar=False,
+            log_to_console=True,
+            console_log_interval=cfg.log.console_interval,
+            load_path=load_path,
+            load_weights_only=ctx.start.weights_only,
+            save_folder=cfg.save_folder,
+            save_filename=CHECKPOINT_FILENAME,
+            save_latest_filename=LATEST_NAME,
+            save_interval=cfg.save_interval,
+            save_num_checkpoints_to_keep=composer_keep(cfg),
+            # After a crash the dead attempt may have written checkpoints past the one we resume from.
+            save_overwrite=cfg.autoresume,
+            autoresume=False,  # resolved by resolve_start (Composer's own mishandles s3:// save folders)
+            parallelism_config=parallelism_config(ctx),
+            device=ctx.device,
+            precision=ctx.precision,
+            device_train_microbatch_size=ctx.batching.microbatch,
+            seed=cfg.seed,
+            compile_config=None,  # cfg.compile compiles the U-Net alone (train/model.py)
+        )
 
 
 def fit(cfg: TrainConfig) -> Trainer:

@@ -4,7 +4,7 @@ NODE_HOSTS="$(scontrol show hostnames "$SLURM_JOB_NODELIST")"
 MASTER_ADDR="${NODE_HOSTS%%$'\n'*}"
 MASTER_PORT={{master_port}}
 export MASTER_ADDR MASTER_PORT
-echo "{{name}}: {{nodes}} nodes x {{gpus_per_node}} GPUs, rendezvous at $MASTER_ADDR:$MASTER_PORT"
+echo "{{name}}: {{layout}}, rendezvous at $MASTER_ADDR:$MASTER_PORT"
 
 # One task per node; each starts torchrun, which starts one rank per GPU. NODE_RANK is exported as the
 # Slurm node id because torchrun does not set it and Composer names per-node signal files by it.

@@ -18,7 +18,8 @@ from encode.images import (
     to_model_input,
     to_rgb,
 )
-from encode.sample_data import COLORS, decompression_bomb_png, encode_image
+from encode.sample_data import COLORS, encode_image
+from tests.builders.hostile import decompression_bomb_png
 
 MAX_PIXELS = 8192 * 8192
 

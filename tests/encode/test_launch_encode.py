@@ -1,8 +1,8 @@
 """Launch plans for encode: torchrun ranks, Slurm arrays with a dependent finalize, Kubernetes; and proof
 that 1 rank, 2 torchrun ranks and 2 independent array tasks + finalize write the same dataset.
 
-The plan/render code lives in train/launch*.py but imports nothing heavy (never composer), so
-`python -m train.launch encode ...` is the encode launcher.
+The plan/render code (shared/launch/, encode/launch.py) imports nothing heavy (never composer), so
+`python -m encode launch ...` is the encode launcher.
 """
 
 from __future__ import annotations
@@ -17,9 +17,11 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
+from encode.cli import app
+from encode.launch import FINALIZE_DEPENDENT, FINALIZE_IN_BAND, plan_encode
 from shared.contract import KEY
-from train.launch import FINALIZE_DEPENDENT, FINALIZE_IN_BAND, app, describe, plan_encode
-from train.launch_plan import LaunchOptions
+from shared.launch.plan import LaunchOptions
+from shared.launch.report import describe
 
 REPO = Path(__file__).resolve().parents[2]
 PYTHON = sys.executable
@@ -75,9 +77,9 @@ def fake_sbatch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 # ------------------------------------------------------------------------------------------ plans
 def test_local_plan_runs_torchrun_and_finalizes_in_band(plain_yaml: Path) -> None:
-    code, out = cli("encode", str(plain_yaml), "--gpus", "2", "--dry-run", "encoder.batch_size=4")
+    code, out = cli("launch", str(plain_yaml), "--gpus", "2", "--dry-run", "encoder.batch_size=4")
     assert code == 0, out
-    assert "1 node(s) x 2 GPUs (world size 2)" in out
+    assert "1 node x 2 GPUs (world size 2)" in out
     assert FINALIZE_IN_BAND in out
     assert (
         f"--standalone --nnodes=1 --nproc-per-node=2 -m encode run {plain_yaml} encoder.batch_size=4" in out
@@ -86,7 +88,7 @@ def test_local_plan_runs_torchrun_and_finalizes_in_band(plain_yaml: Path) -> Non
 
 def test_slurm_array_then_dependent_finalize(plain_yaml: Path, tmp_path: Path, monkeypatch) -> None:
     calls = fake_sbatch(tmp_path, monkeypatch)
-    code, out = cli("encode", str(plain_yaml), "--gpus", "12", "--launcher", "slurm", "encoder.batch_size=4")
+    code, out = cli("launch", str(plain_yaml), "--gpus", "12", "--launcher", "slurm", "encoder.batch_size=4")
     assert code == 0, out
     assert (calls / "1.args").read_text().splitlines() == ["--parsable"]
     assert (calls / "2.args").read_text().splitlines() == [
@@ -113,7 +115,7 @@ def test_slurm_array_then_dependent_finalize(plain_yaml: Path, tmp_path: Path, m
 
 def test_slurm_dry_run_shows_both_jobs(plain_yaml: Path) -> None:
     code, out = cli(
-        "encode", str(plain_yaml), "--gpus", "4", "--launcher", "slurm", "--nodes", "2", "--dry-run"
+        "launch", str(plain_yaml), "--gpus", "4", "--launcher", "slurm", "--nodes", "2", "--dry-run"
     )
     assert code == 0, out
     assert "4 array tasks x 1 GPU" in out
@@ -149,15 +151,15 @@ def test_k8s_manifest_runs_encode_ranks(plain_yaml: Path) -> None:
     ],
 )
 def test_bad_requests_stop_before_launching(plain_yaml: Path, args: list[str], message: str) -> None:
-    code, out = cli("encode", *(arg.format(yaml=plain_yaml) for arg in args), "--dry-run")
+    code, out = cli("launch", *(arg.format(yaml=plain_yaml) for arg in args), "--dry-run")
     assert code == 2, out
     assert message in out
 
 
 def test_encode_launch_never_imports_composer(plain_yaml: Path) -> None:
     code = (
-        "import sys\nfrom train.launch import plan_encode, describe\n"
-        "from train.launch_plan import LaunchOptions\n"
+        "import sys\nfrom encode.launch import plan_encode\nfrom shared.launch.report import describe\n"
+        "from shared.launch.plan import LaunchOptions\n"
         f"describe(plan_encode({str(plain_yaml)!r}, [], LaunchOptions(2, 'local')))\n"
         f"describe(plan_encode({str(plain_yaml)!r}, [], LaunchOptions(16, 'slurm')))\n"
         "assert 'composer' not in sys.modules"
@@ -186,7 +188,7 @@ def encode_env() -> dict[str, str]:
 
 
 def launch_encode(config: Path, gpus: int) -> None:
-    argv = [PYTHON, "-m", "train.launch", "encode", str(config), "--gpus", str(gpus)]
+    argv = [PYTHON, "-m", "encode", "launch", str(config), "--gpus", str(gpus)]
     result = subprocess.run(argv, env=encode_env(), capture_output=True, text=True, timeout=ENCODE_TIMEOUT_S)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
@@ -255,3 +257,56 @@ def test_slurm_array_tasks_then_finalize_write_the_same_dataset(source_and_one_r
 def test_describe_names_the_finalize_step(plain_yaml: Path) -> None:
     text = describe(plan_encode(str(plain_yaml), [], LaunchOptions(16, "slurm")))
     assert "step 2: the finalize job" in text
+
+
+# ------------------------------------------------------------------------------------------ fits the cluster
+def _array_header(plan) -> str:
+    return (plan.steps[0].stdin or "").split("set -euo pipefail")[0]
+
+
+def test_array_tasks_ask_for_cpus_and_memory_from_the_workers(plain_yaml: Path) -> None:
+    """workers + 1 CPUs and 8 GiB + 2 GiB per worker per task, never a hard-coded 8 CPUs."""
+    plan = plan_encode(str(plain_yaml), ["workers=3"], LaunchOptions(4, "slurm"))
+    header = _array_header(plan)
+    assert "#SBATCH --cpus-per-task=4\n" in header and "#SBATCH --mem=14G\n" in header
+    finalize = (plan.steps[1].stdin or "").split("set -euo pipefail")[0]
+    assert "#SBATCH --mem=4G" in finalize
+    flags = LaunchOptions(4, "slurm", cpus_per_rank=2, mem_per_rank_gb=6)
+    header = _array_header(plan_encode(str(plain_yaml), ["workers=3"], flags))
+    assert "#SBATCH --cpus-per-task=2\n" in header and "#SBATCH --mem=6G\n" in header
+    assert "4 CPUs, 14 GiB memory" in describe(plan)
+
+
+def test_k8s_encode_pods_request_their_ranks_resources(plain_yaml: Path) -> None:
+    plan = plan_encode(str(plain_yaml), ["workers=2"], LaunchOptions(16, "k8s", image="reg/sd:1"))
+    docs = {doc["kind"]: doc for doc in yaml.safe_load_all(plan.steps[0].stdin or "") if doc}
+    [container] = docs["Job"]["spec"]["template"]["spec"]["containers"]
+    assert container["resources"]["requests"] == {"cpu": str(3 * 8), "memory": f"{12 * 8}Gi"}
+
+
+def make_encode(config: Path, launch_args: str) -> subprocess.CompletedProcess:
+    """The Makefile path end to end (`-o` the install stamp: never reinstall from a test)."""
+    argv = ["make", "--no-print-directory", "-C", str(REPO), "-o", ".venv/.installed-stamp", "encode"]
+    argv += [f"DATASET={config}", "GPUS=4", "LAUNCHER=slurm", f"LAUNCH_ARGS={launch_args}"]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
+
+
+def test_make_launch_args_pass_any_sbatch_option(plain_yaml: Path, tmp_path: Path, monkeypatch) -> None:
+    calls = fake_sbatch(tmp_path, monkeypatch)
+    args = "--partition gpu --sbatch-option qos=high --sbatch-option requeue --cpus-per-rank 5"
+    result = make_encode(plain_yaml, args)
+    assert result.returncode == 0, result.stdout + result.stderr
+    for n in (1, 2):  # the array and the finalize job
+        header = (calls / f"{n}.stdin").read_text().split("set -euo pipefail")[0]
+        assert "#SBATCH --partition=gpu\n#SBATCH --qos=high\n#SBATCH --requeue\n" in header
+    assert "#SBATCH --cpus-per-task=5" in (calls / "1.stdin").read_text()
+
+
+def test_make_launch_args_cannot_inject_lines(plain_yaml: Path, tmp_path: Path, monkeypatch) -> None:
+    calls = fake_sbatch(tmp_path, monkeypatch)
+    # The newline arrives through the shell make runs, from a variable (make itself splits recipe lines).
+    monkeypatch.setenv("EVIL_PARTITION", "gpu\n#SBATCH --qos=evil")
+    result = make_encode(plain_yaml, '--partition="$$EVIL_PARTITION"')
+    assert result.returncode != 0
+    assert "--partition" in result.stderr and "control character" in result.stderr
+    assert not list(calls.iterdir())

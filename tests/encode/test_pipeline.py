@@ -17,11 +17,12 @@ from encode.encoders import Encoders, load_encoders
 from encode.finalize import NotFinishedError, PublishResult, collect_garbage, publish
 from encode.pipeline import RankInfo, RankSummary, run_rank
 from encode.reuse import iter_mds_rows
-from encode.sample_data import build_hostile_webdataset, build_parquet, build_webdataset
+from encode.sample_data import build_parquet, build_webdataset
 from encode.sources import list_partitions
 from shared import contract, storage
 from shared.config import load_config
 from shared.manifest import Layout, read_manifest
+from tests.builders.hostile import build_hostile_webdataset
 
 SHARDS, PER_SHARD = 3, 24
 # Smaller than sample.yaml's 64/128 px so the VAE work per test is 4x less; the logic is the same.

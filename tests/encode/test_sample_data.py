@@ -16,14 +16,17 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 from PIL import Image
+from typer.testing import CliRunner
 
 from encode import sample_data
+from encode.cli import app
 from encode.config import CaptionConfig, FilterConfig, SourceConfig
 from encode.filters import caption_reject_reason, clean_caption, metadata_reject_reason, size_reject_reason
 from encode.images import ImageRejected, decode_rgb, probe_size, resize_center_crop
 from encode.sample_data import COLORS, color_of_caption, parse_caption, sample_captions
 from encode.sources import RawSample, Rejected, list_partitions, read_partition
 from shared.config import REPO_ROOT
+from tests.builders import hostile
 
 COLOR_TOLERANCE = 30  # mean abs difference per channel: JPEG + noise stay well inside it
 
@@ -74,7 +77,7 @@ def test_builds_are_byte_identical(tmp_path: Path) -> None:
         sample_data.build_webdataset(tmp_path / run / "wds", shards=1, per_shard=6, seed=3)
         sample_data.build_parquet(tmp_path / run / "pq", shards=1, per_shard=6)
         sample_data.build_image_folder(tmp_path / run / "folder", count=6)
-        sample_data.build_hostile_webdataset(tmp_path / run / "hostile" / "h.tar")
+        hostile.build_hostile_webdataset(tmp_path / run / "hostile" / "h.tar")
     for sub in ("wds", "pq", "folder", "hostile"):
         assert digest(tmp_path / "a" / sub) == digest(tmp_path / "b" / sub), sub
     sample_data.build_webdataset(tmp_path / "c", shards=1, per_shard=6, seed=4)
@@ -166,7 +169,7 @@ def classify(item: RawSample | Rejected, filters: FilterConfig, captions: Captio
 
 
 def test_hostile_webdataset_every_case_is_accounted_for(tmp_path: Path) -> None:
-    expected = sample_data.build_hostile_webdataset(tmp_path / "hostile.tar")
+    expected = hostile.build_hostile_webdataset(tmp_path / "hostile.tar")
     cfg = SourceConfig(uri=str(tmp_path / "hostile.tar"))
     items = list(read_partition(list_partitions(cfg)[0], cfg))
     outcomes = collections.Counter()
@@ -189,16 +192,25 @@ def test_hostile_webdataset_every_case_is_accounted_for(tmp_path: Path) -> None:
 
 
 # ----------------------------------------------------------------------------------------------- CLI
-def test_cli_builds_and_prints_the_path(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    out = sample_data.main(["--out", str(tmp_path / "s"), "--shards", "1", "--per-shard", "4"])
-    assert capsys.readouterr().out.strip() == str(out) == str(tmp_path / "s" / "webdataset")
+def test_cli_builds_and_prints_the_path(tmp_path: Path) -> None:
+    args = ["sample-data", "--out", str(tmp_path / "s"), "--shards", "1", "--per-shard", "4"]
+    result = CliRunner().invoke(app, args)
+    out = tmp_path / "s" / "webdataset"
+    assert result.exit_code == 0, result.output
+    assert result.output.strip() == str(out)
     assert (out / "00000.tar").exists() and not (out / "00001.tar").exists()
     result = subprocess.run(
-        [sys.executable, "-m", "encode.sample_data", "--out", str(tmp_path / "h"), "--format", "hostile"],
+        [sys.executable, "-m", "encode", "sample-data", "--out", str(tmp_path / "h"), "--format", "folder"],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,
         check=True,
     )
-    assert Path(result.stdout.strip()) == tmp_path / "h" / "hostile.tar"
-    assert (tmp_path / "h" / "hostile.tar").stat().st_size > 0
+    assert Path(result.stdout.strip()) == tmp_path / "h" / "folder"
+    assert any((tmp_path / "h" / "folder").rglob("*.txt"))
+
+
+def test_cli_refuses_an_unknown_format(tmp_path: Path) -> None:
+    result = CliRunner().invoke(app, ["sample-data", "--out", str(tmp_path), "--format", "hostile"])
+    assert result.exit_code == 2
+    assert "webdataset, parquet, folder" in result.output

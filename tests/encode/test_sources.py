@@ -28,6 +28,7 @@ from encode.sources import (
     read_webdataset,
 )
 from shared import storage
+from tests.builders import hostile
 
 PER_SHARD = 8
 
@@ -168,7 +169,7 @@ def test_partitions_and_samples_pickle(wds_dir: Path) -> None:
 
 # ---------------------------------------------------------------------------------- hostile webdataset
 def test_hostile_tar_reader_level_reasons(tmp_path: Path) -> None:
-    expected = sample_data.build_hostile_webdataset(tmp_path / "hostile.tar")
+    expected = hostile.build_hostile_webdataset(tmp_path / "hostile.tar")
     cfg = SourceConfig(uri=str(tmp_path / "hostile.tar"))
     counts = count_by_reason(read_all(list_partitions(cfg)[0], cfg))
     reader_reasons = (
@@ -244,11 +245,10 @@ def test_member_names_are_normalised_and_grouped(tmp_path: Path) -> None:
     assert count_by_reason(items) == {"good": 2, "duplicate_member": 1, "bad_member_name": 1}
 
 
-def test_oversized_member_is_rejected_unread(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("encode.sources.MAX_MEMBER_BYTES", 1000)
-    members = [("a.jpg", b"x" * 1001), ("a.txt", b"big"), ("b.jpg", b"x" * 1000), ("b.txt", b"ok")]
+def test_oversized_member_is_rejected_unread(tmp_path: Path) -> None:
+    members = [("a.jpg", b"x" * 1001), ("a.txt", b"big"), ("b.jpg", b"x" * 998), ("b.txt", b"ok")]
     write_tar(tmp_path / "big.tar", members)
-    items = list(read_webdataset(str(tmp_path / "big.tar"), SourceConfig()))
+    items = list(read_webdataset(str(tmp_path / "big.tar"), SourceConfig(max_sample_bytes=1000)))
     assert [(i.key, type(i).__name__) for i in items] == [("a", "Rejected"), ("b", "RawSample")]
     assert items[0].reason == "file_too_large"  # type: ignore[union-attr]
 

@@ -123,6 +123,7 @@ def fake_manifest(**changes: Any) -> SimpleNamespace:
         "contract_version": contract.CONTRACT_VERSION,
         "resolutions": {256: SimpleNamespace(shapes=Shapes(LATENT, TEXT))},
         "scale_factor": 0.18215,
+        "empty_caption_embedding": np.zeros(TEXT, dtype=np.float16),
     }
     return SimpleNamespace(**{**fields, **changes})
 

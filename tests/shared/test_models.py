@@ -93,12 +93,12 @@ def test_tokenizers_agree_and_truncate_identically(
     assert long[0] == SOT and long[-1] == EOT and (long != PAD).all()  # cut to 77, still ends with EOT
 
 
-def test_clip_tokenizer_dir_round_trips_through_save_and_load(
+def test_clip_tokenizer_files_round_trip_through_save_and_load(
     tmp_path: Path, hf_encoder: models.TransformersTextEncoder
 ) -> None:
     from transformers import CLIPTokenizer
 
-    tokenizer = CLIPTokenizer.from_pretrained(str(models.clip_tokenizer_dir()))
+    tokenizer = CLIPTokenizer.from_pretrained(str(models.write_clip_tokenizer(tmp_path / "clip")))
     assert (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id) == (SOT, EOT, PAD)
     assert len(tokenizer) == get_preset("tiny").text["vocab_size"]
     tokenizer.save_pretrained(tmp_path / "tokenizer")

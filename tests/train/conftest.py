@@ -1,6 +1,7 @@
 """Train test fixtures: a small encode output written in the exact layout shared/manifest.py documents.
 
-`write_fake_dataset` stands in for the real encode job until it runs end to end: rows go through
+`write_fake_dataset` writes a dataset in seconds without running the encode job (tests/encode runs that
+end to end, and tests/train/test_learning.py trains on its real output): rows go through
 `streaming.MDSWriter` + `shared.contract.mds_columns/make_row`, partitions under `<root>/<res>/<part>/`, the
 merged index at `<root>/<res>/index.json` and `<root>/versions/<vid>/<res>/index.json`, manifests at
 `<root>/manifest.json` and `<root>/versions/<vid>/manifest.json`. Encoder fingerprints and the empty-caption

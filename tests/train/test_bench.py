@@ -14,9 +14,12 @@ import typer
 from typer.testing import CliRunner
 
 from shared.config import ConfigError
-from train.bench import JSON_NAME, MARKDOWN_NAME, bench_command, load_bench_config, run_bench, write_outputs
-from train.bench_step import count_flops
-from train.estimate import estimate, load_estimate_config, read_bench
+from shared.estimate import estimate, load_estimate_config, read_bench
+from train.bench.cli import bench_command
+from train.bench.config import load_bench_config
+from train.bench.report import JSON_NAME, MARKDOWN_NAME, write_outputs
+from train.bench.run import run_bench
+from train.bench.step import count_flops
 
 # Smallest settings that still run every section once: one timed step per variant, one loader pass, two
 # Composer batches (one warm-up), eight encoded sample images without worker processes.
@@ -37,6 +40,8 @@ MINIMAL = [
     "encode.workers=0",
     "encode.repeats=1",
     "threads=1",  # steadier on shared cores; run_bench restores the count afterwards
+    "scale.s3=false",  # the scale counters (S3 server, 2-rank job): tests/train/test_bench_scale_counters.py
+    "scale.collectives=false",
 ]
 # A schedule at the resolutions measured, so the planner needs nothing the minimal bench leaves out.
 SCHEDULE = "schedule=[{resolution: 64, samples: 1000000}, {resolution: 128, samples: 1000000}]"
@@ -73,6 +78,8 @@ def test_bench_writes_json_with_every_section(bench_run: tuple[dict[str, Any], P
         assert positive(train["online"]["images_per_s_per_device"]) and positive(train["offline_speedup"])
         assert train["mfu"] is None  # CPU without peak_tflops: MFU is n/a, never a guess
         assert train["ideal_offline_speedup"] == pytest.approx(result["flops"][res]["ideal_offline_speedup"])
+        text_store = result["text_store"][res]  # tokens + tower vs stored embeddings, in the same run
+        assert positive(text_store["ratio"]) and text_store["flop_ideal_ratio"] > 1
     loader, trainer, encode = result["loader"], result["trainer"], result["encode"]
     assert all(
         positive(loader[k]) for k in ("images_per_s", "bytes_per_s", "raw_read_bytes_per_s", "bytes_per_row")
@@ -162,5 +169,5 @@ def test_gpu_bench_uses_bf16_and_reports_mfu(tmp_path: Path) -> None:
     result = run_bench(cfg)
     assert result["precision"] == "amp_bf16" and result["channels_last"]
     assert positive(result["train"]["256"]["images_per_s_per_device"])
-    if result["peak_tflops"] is not None:  # a GPU in train/estimate.py's table
+    if result["peak_tflops"] is not None:  # a GPU in shared/estimate's table
         assert positive(result["train"]["256"]["mfu"])

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from shared.contract import LATENT_MEAN, TEXT_EMBEDDING
+from shared.contract import LATENT_MEAN, TEXT_EMBEDDING, TEXT_TOKENS
 from shared.manifest import Layout
 from tests.train.conftest import write_fake_dataset
 from train.config import DataConfig
@@ -21,11 +21,11 @@ from train.data import (
     DataError,
     build_dataset,
     cache_dir_for,
-    claim_local_dir,
     pin_version,
     read_dataset_manifest,
-    remove_stale_registrations,
 )
+from train.draws import DRAW_COLUMNS
+from train.streaming_host import claim_local_dir, remove_stale_registrations
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +79,9 @@ def test_rows_hold_only_precomputed_columns_and_a_stable_seed(tiny_dataset: str,
 
     first, row = seeds_and_rows(tmp_path / "a")
     again, _ = seeds_and_rows(tmp_path / "b")
-    assert set(row) == {*TRAIN_COLUMNS, SAMPLE_SEED}
+    # TRAIN_COLUMNS holds both text columns; an embeddings dataset's rows carry TEXT_EMBEDDING only.
+    stored = set(TRAIN_COLUMNS) - {TEXT_TOKENS}
+    assert set(row) == {*stored, SAMPLE_SEED, *DRAW_COLUMNS}  # draws: train/draws.py
     assert row[LATENT_MEAN].dtype == torch.float16 and tuple(row[LATENT_MEAN].shape) == (4, 8, 8)
     assert tuple(row[TEXT_EMBEDDING].shape) == (77, 32)
     assert len(first) == 64 and len(set(first)) == 64 and first == again

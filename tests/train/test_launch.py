@@ -21,10 +21,9 @@ import typer
 import yaml
 from typer.testing import CliRunner
 
-from train import launch
-from train.batching import BatchingError
-from train.launch import app, launch_command, plan_train
-from train.launch_plan import (
+from shared.batching import BatchingError
+from shared.launch import steps
+from shared.launch.plan import (
     LaunchError,
     LaunchOptions,
     LaunchPlan,
@@ -33,7 +32,7 @@ from train.launch_plan import (
     job_name,
     local_torchrun,
 )
-from train.launch_specs import (
+from shared.launch.specs import (
     ENV_FILE,
     SLURM_NODES,
     TEMPLATES_DIR,
@@ -45,6 +44,8 @@ from train.launch_specs import (
     render_sbatch,
     render_template,
 )
+from train.cli import app
+from train.launch import launch_command, plan_train
 
 REPO = Path(__file__).resolve().parents[2]
 PYTHON = sys.executable
@@ -186,9 +187,11 @@ def test_job_names_are_dns_labels() -> None:
 
 # ------------------------------------------------------------------------------------------ plans / dry run
 def test_dry_run_prints_layout_batching_command_and_estimate(train_yaml: Path) -> None:
-    code, out = cli("train", "--config", str(train_yaml), "--gpus", "256", "--launcher", "slurm", "--dry-run")
+    code, out = cli(
+        "launch", "--config", str(train_yaml), "--gpus", "256", "--launcher", "slurm", "--dry-run"
+    )
     assert code == 0, out
-    assert "32 node(s) x 8 GPUs (world size 256)" in out
+    assert "32 nodes x 8 GPUs (world size 256)" in out
     assert "global 2048 = 256 ranks x 8 per rank; microbatch 4 x 2 accumulation steps" in out
     assert f"python -m train fit {train_yaml}" in out
     assert "$ sbatch --parsable < sd-train-sd2-test.sbatch" in out
@@ -205,12 +208,12 @@ def test_launch_command_registers_on_the_train_cli(train_yaml: Path) -> None:
     args.append("seed=3")
     result = RUNNER.invoke(train_cli, args)
     assert result.exit_code == 0, result.output
-    assert "2 node(s) x 8 GPUs" in result.output and "seed=3" in result.output
+    assert "2 nodes x 8 GPUs" in result.output and "seed=3" in result.output
 
 
 def test_dry_run_launches_nothing(train_yaml: Path, fake_bin) -> None:
     calls = fake_bin("sbatch", "1")
-    code, out = cli("train", "--config", str(train_yaml), "--gpus", "16", "--launcher", "slurm", "--dry-run")
+    code, out = cli("launch", "--config", str(train_yaml), "--gpus", "16", "--launcher", "slurm", "--dry-run")
     assert code == 0, out
     assert recorded(calls, "sbatch") == []
 
@@ -239,13 +242,13 @@ def test_overrides_reach_the_batch_split_and_every_rank(train_yaml: Path) -> Non
     ],
 )
 def test_impossible_requests_stop_with_the_fix(train_yaml: Path, args: list[str], message: str) -> None:
-    code, out = cli("train", "--config", str(train_yaml), *args)
+    code, out = cli("launch", "--config", str(train_yaml), *args)
     assert code == 2, out
     assert message in out
 
 
 def test_unknown_config_name_lists_the_known_ones() -> None:
-    code, out = cli("train", "--config", "no-such-config", "--dry-run")
+    code, out = cli("launch", "--config", "no-such-config", "--dry-run")
     assert code == 2
     assert "no config named 'no-such-config'" in out
 
@@ -257,10 +260,12 @@ def test_batching_errors_are_the_shared_ones(train_yaml: Path) -> None:
 
 def test_missing_sbatch_and_kubectl_name_the_fix(train_yaml: Path, tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("PATH", str(tmp_path))  # nothing on it
-    code, out = cli("train", "--config", str(train_yaml), "--gpus", "16", "--launcher", "slurm")
+    code, out = cli("launch", "--config", str(train_yaml), "--gpus", "16", "--launcher", "slurm")
     assert code == 2
     assert "`sbatch` not found on PATH" in out and "--dry-run" in out
-    code, out = cli("train", "--config", str(train_yaml), "--gpus", "16", "--launcher", "k8s", "--image", "x")
+    code, out = cli(
+        "launch", "--config", str(train_yaml), "--gpus", "16", "--launcher", "k8s", "--image", "x"
+    )
     assert code == 2
     assert "`kubectl` not found on PATH" in out and "kubectl config use-context" in out
 
@@ -275,7 +280,7 @@ def test_missing_torchrun_names_the_fix(tmp_path: Path, monkeypatch) -> None:
 
 def test_planning_never_imports_composer_or_torch(train_yaml: Path) -> None:
     code = (
-        "import sys; from train.launch import plan_train; from train.launch_plan import LaunchOptions\n"
+        "import sys; from train.launch import plan_train; from shared.launch.plan import LaunchOptions\n"
         f"plan_train({str(train_yaml)!r}, [], LaunchOptions(16, 'slurm'))\n"
         "heavy = sorted(m for m in ('composer', 'torch', 'diffusers') if m in sys.modules)\n"
         "assert not heavy, heavy"
@@ -286,7 +291,17 @@ def test_planning_never_imports_composer_or_torch(train_yaml: Path) -> None:
 # ------------------------------------------------------------------------------------------ Slurm
 def test_slurm_submits_exactly_the_rendered_script(train_yaml: Path, fake_bin) -> None:
     calls = fake_bin("sbatch", "4242;cluster-a")
-    args = ["train", "--config", str(train_yaml), "--gpus", "16", "--launcher", "slurm", "--partition", "gpu"]
+    args = [
+        "launch",
+        "--config",
+        str(train_yaml),
+        "--gpus",
+        "16",
+        "--launcher",
+        "slurm",
+        "--partition",
+        "gpu",
+    ]
     code, out = cli(*args, "max_duration=10ba")
     assert code == 0, out
     plan = plan_train(str(train_yaml), ["max_duration=10ba"], LaunchOptions(16, "slurm", partition="gpu"))
@@ -349,6 +364,7 @@ def test_rendered_slurm_script_rendezvouses_two_nodes(tmp_path: Path) -> None:
     values = {
         "nodes": 2,
         "gpus_per_node": 1,
+        "layout": "2 nodes x 1 GPU",
         "master_port": free_port(),
         "torchrun": local_torchrun(),
         "program": "launch_probe --flag 'a b'",
@@ -421,7 +437,7 @@ def test_k8s_manifest_has_replicas_gpus_command_and_env(train_yaml: Path, monkey
 
 def test_k8s_applies_exactly_the_rendered_manifest(train_yaml: Path, fake_bin) -> None:
     calls = fake_bin("kubectl", "job.batch/sd-train-sd2-test created")
-    args = ["train", "--config", str(train_yaml), "--gpus", "8", "--launcher", "k8s", "--image", "reg/sd:1"]
+    args = ["launch", "--config", str(train_yaml), "--gpus", "8", "--launcher", "k8s", "--image", "reg/sd:1"]
     code, out = cli(*args)
     assert code == 0, out
     plan = plan_train(str(train_yaml), [], LaunchOptions(8, "k8s", image="reg/sd:1"))
@@ -438,7 +454,7 @@ def test_failed_submission_reports_the_tool_error(train_yaml: Path, tmp_path: Pa
     (bin_dir / "sbatch").write_text("#!/bin/bash\necho 'sbatch: error: invalid partition' >&2\nexit 1\n")
     (bin_dir / "sbatch").chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
-    code, out = cli("train", "--config", str(train_yaml), "--gpus", "8", "--launcher", "slurm")
+    code, out = cli("launch", "--config", str(train_yaml), "--gpus", "8", "--launcher", "slurm")
     assert code == 2
     assert "invalid partition" in out
 
@@ -470,7 +486,7 @@ def _local_plan(tmp_path: Path, options: LaunchOptions) -> LaunchPlan:
 @pytest.mark.dist
 def test_local_launch_runs_two_cpu_ranks(tmp_path: Path) -> None:
     out, env = write_probe(tmp_path)
-    step = launch.local_step(_local_plan(tmp_path, LaunchOptions(gpus=2)))
+    step = steps.local_step(_local_plan(tmp_path, LaunchOptions(gpus=2)))
     assert "--standalone" in step.argv  # a free port: parallel runs on one machine never collide
     subprocess.run(
         step.argv, env={**env, **step.env}, check=True, timeout=PROBE_TIMEOUT_S, capture_output=True
@@ -492,7 +508,7 @@ def test_two_local_node_launches_meet_at_one_rendezvous(tmp_path: Path) -> None:
         options = LaunchOptions(
             gpus=2, nodes=2, node_rank=node_rank, master_addr="127.0.0.1", master_port=port
         )
-        step = launch.local_step(_local_plan(tmp_path, options))
+        step = steps.local_step(_local_plan(tmp_path, options))
         procs.append(subprocess.Popen(step.argv, env={**env, **step.env}, stderr=subprocess.PIPE, text=True))
     for proc in procs:
         _, err = proc.communicate(timeout=PROBE_TIMEOUT_S)
@@ -503,3 +519,168 @@ def test_two_local_node_launches_meet_at_one_rendezvous(tmp_path: Path) -> None:
         ("1", "1", "2"),
     ]
     assert all(r["all_reduce"] == 3.0 for r in records)
+
+
+# ------------------------------------------------------------------------------------------ fits the cluster
+def test_k8s_pods_request_cpus_and_memory_of_their_ranks(train_yaml: Path) -> None:
+    options = LaunchOptions(16, "k8s", image="reg/sd:1")
+    plan = plan_train(str(train_yaml), ["data.num_workers=6"], options)
+    [container] = _k8s_docs(plan.steps[0].stdin or "")["Job"]["spec"]["template"]["spec"]["containers"]
+    # per rank: 6 workers + the rank = 7 CPUs, 24 + 2 x 6 = 36 GiB; 8 ranks per pod
+    assert container["resources"] == {
+        "limits": {"nvidia.com/gpu": 8},
+        "requests": {"cpu": "56", "memory": "288Gi"},
+    }
+    flags = LaunchOptions(16, "k8s", image="reg/sd:1", cpus_per_rank=4, mem_per_rank_gb=10)
+    plan = plan_train(str(train_yaml), [], flags)
+    [container] = _k8s_docs(plan.steps[0].stdin or "")["Job"]["spec"]["template"]["spec"]["containers"]
+    assert container["resources"]["requests"] == {"cpu": "32", "memory": "80Gi"}
+
+
+def test_slurm_train_nodes_take_all_their_memory(train_yaml: Path) -> None:
+    script = plan_train(str(train_yaml), [], LaunchOptions(16, "slurm")).steps[0].stdin or ""
+    assert "#SBATCH --exclusive\n#SBATCH --mem=0\n" in script
+
+
+def test_one_node_plan_reads_in_the_singular(train_yaml: Path) -> None:
+    code, out = cli(
+        "launch", "--config", str(train_yaml), "--gpus", "1", "--launcher", "slurm", "--dry-run",
+        "global_batch_size=4", "device_microbatch_size=4",
+    )  # fmt: skip
+    assert code == 0, out
+    assert "1 node x 1 GPU (world size 1)" in out
+    assert "global 4 = 1 rank x 4 per rank; microbatch 4 x 1 accumulation step" in out
+    assert not re.search(r"\b1 (nodes|GPUs|ranks|accumulation steps|CPUs|microbatches)\b", out), out
+    assert "(s)" not in out
+
+
+# ------------------------------------------------------------------------------------ injection / secrets
+NEWLINE = "\n#SBATCH --qos=evil"
+
+
+@pytest.mark.parametrize(
+    ("args", "flag"),
+    [
+        (["--partition", "gpu" + NEWLINE], "--partition"),
+        (["--account", "ml" + NEWLINE], "--account"),
+        (["--time", "1-00:00:00" + NEWLINE], "--time"),
+        (["--time", "1 day"], "--time"),
+        (["--sbatch-option", "qos=high" + NEWLINE], "--sbatch-option"),
+        (["--sbatch-option", "comment=a b"], "--sbatch-option"),
+        (["--sbatch-option", "nodes=64"], "--sbatch-option"),
+        (["--sbatch-option", "mem=1G"], "--mem-per-rank-gb"),
+        (["data.uri=s3://b/x" + NEWLINE], "the config path / key=value overrides"),
+        (["data.uri=http://user:pw123456@host/x"], "pass credentials through the environment"),
+    ],
+)
+def test_values_that_would_inject_lines_are_refused(train_yaml: Path, fake_bin, args, flag) -> None:
+    calls = fake_bin("sbatch", "1")
+    code, out = cli("launch", "--config", str(train_yaml), "--gpus", "16", "--launcher", "slurm", *args)
+    assert code == 2, out
+    assert flag in out
+    assert recorded(calls, "sbatch") == []
+    assert "pw123456" not in out
+
+
+@pytest.mark.parametrize(
+    ("args", "flag"),
+    [
+        (["--namespace", "ml\nkind: Pod"], "--namespace"),
+        (["--namespace", "ML_Team"], "--namespace"),
+        (["--secret", "env\n"], "--secret"),
+        (["--sbatch-option", "qos=high"], "--sbatch-option is for LAUNCHER=slurm"),
+    ],
+)
+def test_k8s_values_are_validated(train_yaml: Path, args, flag) -> None:
+    code, out = cli(
+        "launch", "--config", str(train_yaml), "--gpus", "8", "--launcher", "k8s", "--image", "reg/sd:1",
+        "--dry-run", *args,
+    )  # fmt: skip
+    assert code == 2, out
+    assert flag in out
+
+
+def test_a_config_path_with_a_newline_is_refused(tmp_path: Path, train_yaml: Path) -> None:
+    hostile = tmp_path / "x\n#SBATCH --qos=evil.yaml"
+    hostile.write_text(train_yaml.read_text())
+    code, out = cli("launch", "--config", str(hostile), "--gpus", "16", "--launcher", "slurm", "--dry-run")
+    assert code == 2, out
+    assert "the config path / key=value overrides" in out and "control character" in out
+
+
+def test_sbatch_options_reach_every_script_before_the_body(train_yaml: Path) -> None:
+    options = LaunchOptions(16, "slurm", partition="gpu", sbatch_options=["qos=high", "--requeue"])
+    script = plan_train(str(train_yaml), [], options).steps[0].stdin or ""
+    header = script.split("set -euo pipefail")[0]
+    assert "#SBATCH --partition=gpu\n#SBATCH --qos=high\n#SBATCH --requeue\n" in header
+
+
+def test_placeholders_inside_values_are_written_literally(train_yaml: Path) -> None:
+    plan = plan_train(str(train_yaml), ["data.uri=s3://b/{{name}}"], LaunchOptions(16, "slurm"))
+    assert "s3://b/{{name}}" in (plan.steps[0].stdin or "")
+
+
+PASSWORD_URL = "http://minio-user:s3cr3t-pw@minio:9000"
+
+
+def test_endpoint_password_goes_through_the_secret_and_is_never_printed(
+    train_yaml: Path, monkeypatch
+) -> None:
+    monkeypatch.setenv("S3_ENDPOINT_URL", PASSWORD_URL)
+    plan = plan_train(str(train_yaml), [], LaunchOptions(16, "k8s", image="reg/sd:1"))
+    manifest = plan.steps[0].stdin or ""
+    assert "s3cr3t-pw" not in manifest
+    [container] = _k8s_docs(manifest)["Job"]["spec"]["template"]["spec"]["containers"]
+    env = {entry["name"]: entry for entry in container["env"]}
+    ref = {"name": "sd-pretrain-env", "key": "S3_ENDPOINT_URL", "optional": True}
+    assert env["S3_ENDPOINT_URL"] == {"name": "S3_ENDPOINT_URL", "valueFrom": {"secretKeyRef": ref}}
+    assert any("kubectl create secret generic sd-pretrain-env" in note for note in plan.notes)
+    code, out = cli(
+        "launch", "--config", str(train_yaml), "--gpus", "16", "--launcher", "k8s", "--image", "reg/sd:1",
+        "--dry-run", f"log.wandb_entity={PASSWORD_URL}",
+    )  # fmt: skip
+    assert code == 2 and "s3cr3t-pw" not in out and "***@" in out
+
+
+def test_launcher_output_redacts_userinfo(train_yaml: Path, tmp_path: Path, monkeypatch) -> None:
+    """A tool error echoing the endpoint (sbatch failing) is printed without its password."""
+    monkeypatch.setenv("S3_ENDPOINT_URL", PASSWORD_URL)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text(
+        '#!/bin/bash\necho "sbatch: error: bad endpoint $S3_ENDPOINT_URL" >&2\nexit 1\n'
+    )
+    (bin_dir / "sbatch").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    code, out = cli("launch", "--config", str(train_yaml), "--gpus", "8", "--launcher", "slurm")
+    assert code == 2
+    assert "bad endpoint http://***@minio:9000" in out and "s3cr3t-pw" not in out
+
+
+# ------------------------------------------------------------------------------------------ 256-GPU dry run
+def test_sd2_dry_run_shows_communication_checkpoint_and_save_share() -> None:
+    """Hand arithmetic: P = 865,910,724; W = 256 (32 nodes); bf16 params, fp32 grads; 1 GB/s per node."""
+    code, out = cli(
+        "launch", "--config", "sd2-base-256", "--gpus", "256", "--launcher", "slurm", "--dry-run",
+        "data.uri=s3://b/d",
+    )  # fmt: skip
+    assert code == 0, out
+    p, ring = 865_910_724, 255 / 256
+    assert f"all-gather of bf16 params {ring * p * 2 / 1e9:.3f} GB" in out  # 1.725
+    assert f"reduce-scatter of fp32 grads {ring * p * 4 / 1e9:.3f} GB" in out  # 3.450
+    assert f"= {ring * p * 6 / 1e9:.3f} GB" in out
+    ckpt = 16 * p  # fp32 weights 4 + EMA 4 + AdamW 8 bytes per parameter
+    assert f"checkpoint {ckpt / 1e9:.2f} GB" in out and f"sharded {ckpt / 256 / 1e6:.1f} MB per rank" in out
+    assert f"full (rank 0) {ckpt / 1e9:.1f} s, sharded {ckpt / 32 / 1e9:.2f} s" in out
+    step, every = 2048 / (184.6 * 256), 10_000  # 43.3 ms; sd2-base-256.yaml saves every 10000ba
+    full, sharded = ckpt / 1e9 / (every * step + ckpt / 1e9), ckpt / 32e9 / (every * step + ckpt / 32e9)
+    assert f"(step {step * 1000:.1f} ms): full {full:.2%}, sharded {sharded:.2%} of wall time" in out
+    assert "accumulation steps under FSDP" not in out  # the shipped config runs one microbatch of 8
+    code, out = cli(
+        "launch", "--config", "sd2-base-256", "--gpus", "256", "--launcher", "slurm", "--dry-run",
+        "data.uri=s3://b/d", "device_microbatch_size=4", "fsdp_reduce_dtype=bf16", "--write-gb-per-s", "2",
+    )  # fmt: skip
+    assert code == 0, out
+    assert "2 accumulation steps under FSDP" in out and "raise device_microbatch_size to 8" in out
+    assert f"2 reduce-scatters of bf16 grads {2 * ring * p * 2 / 1e9:.3f} GB" in out
+    assert f"full (rank 0) {ckpt / 2e9:.1f} s" in out

@@ -1,4 +1,4 @@
-"""The local launcher running the real train job on CPU ranks (gloo), through `python -m train.launch`.
+"""The local launcher running the real train job on CPU ranks (gloo), through `python -m train launch`.
 
 - 2 ranks and 1 rank with the same global batch follow the same loss trajectory (per-sample seeds and
   Streaming's elastic sample order make the global batches identical);
@@ -41,9 +41,9 @@ def free_port() -> int:
 
 
 def launch(args: list[str], log: Path, wrapper: Sequence[str] = (), **env: str) -> subprocess.Popen:
-    """`python -m train.launch train ...`, which becomes torchrun; output appended to `log`."""
+    """`python -m train launch ...`, which becomes torchrun; output appended to `log`."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **env}
-    argv = [*wrapper, sys.executable, "-m", "train.launch", "train", "--config", "tiny", *args]
+    argv = [*wrapper, sys.executable, "-m", "train", "launch", "--config", "tiny", *args]
     with log.open("a") as handle:
         return subprocess.Popen(argv, cwd=REPO, env=env, stdout=handle, stderr=subprocess.STDOUT)
 

@@ -56,9 +56,9 @@ def caption_margin(shares: np.ndarray, prompts: tuple[str, ...]) -> tuple[float,
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from train.demo import main
+    from train.tools.demo import run_demo
 
-    return main(["--out", str(tmp_path_factory.mktemp("demo"))]).root
+    return run_demo(tmp_path_factory.mktemp("demo")).root
 
 
 def generate(pipeline_dir: Path, prompts: tuple[str, ...]) -> np.ndarray:

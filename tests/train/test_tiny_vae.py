@@ -1,4 +1,4 @@
-"""The tiny preset's shipped VAE (shared/assets, trained by `python -m train.tiny_vae`): it loads through
+"""The tiny preset's shipped VAE (shared/assets, trained by `python -m train tiny-vae`): it loads through
 `shared.models.build_vae`, reconstructs sample images it never saw with their colours intact, gives latents
 near unit scale after the preset's scaling factor, matches its JSON record, and its training entry point
 still runs (so `make tiny-vae` cannot rot)."""
@@ -14,7 +14,8 @@ import torch
 
 from shared.models import build_vae
 from shared.presets import ASSETS, get_preset
-from train import tiny_vae
+from train.tools import tiny_vae
+from train.tools.cli import TINY_VAE_PER_SHARD, TINY_VAE_STEPS, tiny_vae_command
 
 FRESH_SEED = 4242  # neither a training seed nor the held-out seed the JSON's PSNR was measured on
 FRESH_PER_SHARD = 12
@@ -100,10 +101,15 @@ def test_training_entry_point_writes_loadable_weights(tmp_path: Path) -> None:
     from diffusers import AutoencoderKL
     from safetensors.torch import load_file
 
-    info = tiny_vae.main(["--out", str(tmp_path), "--steps", "2", "--per-shard", "2"])
+    info = tiny_vae_command(out=tmp_path, steps=2, per_shard=2)
     weights = tmp_path / tiny_vae.WEIGHTS_NAME
     recorded = json.loads((tmp_path / tiny_vae.INFO_NAME).read_text())
     assert recorded == info and recorded["steps"] == 2
     assert recorded["sha256"] == tiny_vae.sha256_of(weights)
     assert recorded["scaling_factor"] > 0
     AutoencoderKL(**get_preset("tiny").vae).load_state_dict(load_file(weights))
+
+
+def test_command_defaults_match_the_training_run() -> None:
+    """train/tools/cli.py repeats the run's defaults so `--help` needs no torch: they must agree."""
+    assert (TINY_VAE_STEPS, TINY_VAE_PER_SHARD) == (tiny_vae.DEFAULT_STEPS, tiny_vae.PER_SHARD)

@@ -1,0 +1,321 @@
+"""Encode side of `make bench` (`python -m train bench` runs it; nothing here imports train): the real encode
+pipeline (`encode.pipeline.run_rank`) on sample data, and each
+of its stages alone on the same samples, to show how close the pipeline gets to its slowest stage.
+
+Stages: the worker side (read, filter, decode, resize: `encode.prepare.prepare_partition`, one process),
+the VAE (every resolution of a sample) and the text tower. VAE and text run one after the other in the
+main process while workers prepare the next samples, so the pipeline can at best reach
+min(workers x worker rate, 1 / (VAE + text seconds per sample)).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from shared.presets import random_init
+
+if TYPE_CHECKING:
+    from encode.config import EncodeConfig
+    from encode.encoders import Encoders
+    from encode.prepare import PreparedSample
+    from shared.runtime import DeviceSetup
+
+# torch and the encode pipeline are imported inside the functions that use them: train's bench config
+# imports this module (for EncodeBenchConfig) whenever `python -m train` starts, and must stay light.
+SOURCE_ASPECT = 4 / 3  # landscape photos: the long side is 4/3 of the short one (LAION's most common shape)
+ENCODER_PRECISION = "fp16"  # encode's default GPU inference precision (CPU always runs fp32)
+LATENT_PRECISION_IMAGES = 64  # images of the largest resolution the latent precision check encodes
+
+
+@dataclass
+class EncodeBenchConfig:
+    enabled: bool = True
+    dataset: str = "sample"  # jobs/datasets config whose filter, caption and transform settings apply
+    resolutions: list[int] = field(default_factory=lambda: [64, 128])
+    # 0: the bundled sample data (encode/sample_data.py, images 24-288 px); else synthetic photos with this
+    # shorter side (4:3), e.g. 320 to feed 256 px.
+    source_short_side: int = 0
+    samples: int = 128  # source samples, spread over `partitions` tars
+    partitions: int = 2
+    batch_size: int = 32
+    workers: int = 1  # decode/resize processes beside the models
+    repeats: int = 1
+
+
+# ----------------------------------------------------------------------------------------------- sources
+def build_source(out_dir: Path, plan: EncodeBenchConfig, seed: int) -> Path:
+    """img2dataset-style tars of synthetic photos: the sample data's mix of sizes, or all one size."""
+    from encode.sample_data import build_webdataset
+
+    size = None
+    if plan.source_short_side:
+        size = (round(plan.source_short_side * SOURCE_ASPECT), plan.source_short_side)
+    per_shard = -(-plan.samples // plan.partitions)
+    build_webdataset(out_dir, shards=plan.partitions, per_shard=per_shard, seed=seed, size=size)
+    return out_dir
+
+
+# ---------------------------------------------------------------------------------------------- encoders
+def bench_encoders(preset_name: str, setup: DeviceSetup) -> Encoders:
+    """The preset's VAE and text tower, random-initialised, placed as `encode.encoders.load_encoders` does."""
+    import torch
+
+    from encode.encoders import Encoders
+    from encode.plan import EncoderIds
+    from shared.models import build_text_encoder, build_vae
+    from shared.presets import get_preset
+
+    preset = random_init(get_preset(preset_name))
+    vae = build_vae(preset).to(setup.device)
+    if setup.channels_last:
+        vae.to(memory_format=torch.channels_last)
+    text = build_text_encoder(preset, "transformers").to(setup.device)
+    ids = EncoderIds(vae="bench-random-init", text="bench-random-init", tokenizer="bench-random-init")
+    return Encoders(preset, vae, text, setup.device, ENCODER_PRECISION, ids)
+
+
+def encode_config(
+    plan: EncodeBenchConfig, preset_name: str, source: Path, output: Path, setup: DeviceSetup
+) -> EncodeConfig:
+    from encode.config import EncodeConfig
+    from shared.config import load_config
+
+    overrides = [
+        f"source.uri={source}",
+        f"output.uri={output}",
+        f"preset={preset_name}",
+        f"transform.resolutions=[{','.join(str(r) for r in plan.resolutions)}]",
+        f"filter.min_size={min(plan.resolutions)}",
+        f"encoder.batch_size={plan.batch_size}",
+        f"encoder.device={setup.device}",
+        f"encoder.precision={ENCODER_PRECISION}",
+        f"workers={plan.workers}",
+        "progress=false",
+    ]
+    return load_config(EncodeConfig, plan.dataset, overrides, kind="datasets")
+
+
+# ------------------------------------------------------------------------------------------------ stages
+def prepare_all(cfg: EncodeConfig, encoders: Encoders) -> tuple[list[PreparedSample], float]:
+    """The worker stage alone, in this process: every kept sample of every partition, and the seconds."""
+    from encode.plan import plan_partitions, stage_fingerprints
+    from encode.prepare import PreparedSample, prepare_partition
+    from encode.sources import list_partitions
+    from shared.manifest import Layout
+
+    plans = plan_partitions(
+        list_partitions(cfg.source), stage_fingerprints(cfg, encoders.ids), Layout(cfg.output.uri), {}
+    )
+    start = time.perf_counter()
+    samples = [item for p in plans for item in prepare_partition(p, cfg) if isinstance(item, PreparedSample)]
+    return samples, time.perf_counter() - start
+
+
+def _batches(items: Sequence[Any], size: int) -> list[Sequence[Any]]:
+    return [items[i : i + size] for i in range(0, len(items), size)]
+
+
+def _time_batches(
+    run: Callable[[Sequence[Any]], Any], items: Sequence[Any], size: int, sync: Callable[[], None]
+) -> float:
+    """Seconds to run every batch, after one untimed warm-up batch."""
+    if not items:
+        return 0.0
+    run(items[:size])
+    sync()
+    start = time.perf_counter()
+    for batch in _batches(items, size):
+        run(batch)
+    sync()
+    return time.perf_counter() - start
+
+
+@dataclass(frozen=True)
+class StageRun:
+    kept: int  # samples that passed the filters
+    seconds: dict[str, float]  # stage -> seconds over all kept samples
+    vae_input_s: float  # of `vae`: stacking the uint8 pixels into one host batch, before the device
+
+
+def time_stages(
+    cfg: EncodeConfig, encoders: Encoders, plan: EncodeBenchConfig, setup: DeviceSetup
+) -> StageRun:
+    """Each stage alone over every kept sample: prepare (one process), VAE (all resolutions), text."""
+    samples, prepare_s = prepare_all(cfg, encoders)
+    vae_s = vae_input_s = 0.0
+    for res in plan.resolutions:
+        pixels = [s.pixels[res] for s in samples if res in s.pixels]
+        vae_s += _time_batches(encoders.encode_images, pixels, plan.batch_size, setup.sync)
+        vae_input_s += _time_batches(_model_input_batch, pixels, plan.batch_size, setup.sync)
+    captions = [s.text_input for s in samples]
+    text_s = _time_batches(encoders.encode_text, captions, plan.batch_size, setup.sync)
+    return StageRun(len(samples), {"prepare": prepare_s, "vae": vae_s, "text": text_s}, vae_input_s)
+
+
+def _model_input_batch(pixels: Sequence[np.ndarray]) -> Any:
+    """The host-side part of `Encoders.encode_images`: uint8 HWC images -> one uint8 NHWC batch."""
+    from encode.encoders import host_pixel_batch
+
+    return host_pixel_batch(pixels, pin=False)
+
+
+# --------------------------------------------------------------------------------------- latent precision
+def latent_precision(encoders: Encoders, pixels: Sequence[np.ndarray], batch_size: int) -> dict[str, Any]:
+    """How far fp16 / bf16 (and fp32 with TF32 convolutions on a GPU) move the posterior mean from a strict
+    fp32 encode, in units of the posterior std that training samples with (latent = mean + std * noise).
+
+    An error well below 1 std is invisible to training; one near or above it replaces the encoder's
+    uncertainty with rounding. On CPU fp16 / bf16 run under CPU autocast (encode itself runs fp32 there).
+    """
+    import torch
+
+    from encode.encoders import host_pixel_batch, pixels_to_vae_input
+
+    device, vae = encoders.device, encoders.vae
+    batches = [
+        pixels_to_vae_input(host_pixel_batch(b, pin=False).to(device), vae.dtype)
+        for b in _batches(pixels, batch_size)
+    ]
+    with _strict_fp32():
+        ref_mean, ref_std = _posterior(vae, batches, None)
+    out: dict[str, Any] = {
+        "images": len(pixels),
+        "resolution": int(pixels[0].shape[0]),
+        "device": str(device),
+        "posterior_std": _quantiles(ref_std),
+        "abs_mean": {"max": float(ref_mean.abs().max())},
+    }
+    names = ("fp32", "fp16", "bf16") if device.type == "cuda" else ("fp16", "bf16")
+    for name in names:
+        dtype = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}[name]
+        mean, _ = _posterior(vae, batches, dtype)
+        error = (mean - ref_mean).abs()
+        ratio = error / ref_std
+        out[name] = {
+            "max_abs_error": float(error.max()),
+            "error_over_std": _quantiles(ratio),
+            "share_above_0.1_std": float((ratio > 0.1).float().mean()),
+            "nonfinite": int((~torch.isfinite(mean)).sum()),
+        }
+    return out
+
+
+def _posterior(vae: Any, batches: list[Any], dtype: Any) -> tuple[Any, Any]:
+    """(mean, std) of the VAE posterior over all batches, float32 on the CPU; `dtype`: autocast to it."""
+    import torch
+
+    means, stds = [], []
+    for batch in batches:
+        ctx = torch.autocast(batch.device.type, dtype=dtype) if dtype else contextlib.nullcontext()
+        with torch.inference_mode(), ctx:
+            dist = vae.encode(batch).latent_dist
+        means.append(dist.mean.float().cpu())
+        stds.append(dist.std.float().cpu())
+    return torch.cat(means), torch.cat(stds)
+
+
+def _strict_fp32() -> Any:
+    """fp32 without TF32 (cuDNN convolutions use TF32 by default, whose 10-bit mantissa is fp16's)."""
+    import torch
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch.backends.cudnn.flags(enabled=True, allow_tf32=False))
+    matmul = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    stack.callback(setattr, torch.backends.cuda.matmul, "allow_tf32", matmul)
+    return stack
+
+
+def _quantiles(values: Any) -> dict[str, float]:
+    flat = values.flatten().double()
+    q = (
+        flat.quantile(flat.new_tensor([0.5, 0.99]))
+        if flat.numel() <= 1 << 24
+        else flat[: 1 << 24].quantile(flat.new_tensor([0.5, 0.99]))
+    )
+    return {"min": float(flat.min()), "median": float(q[0]), "p99": float(q[1]), "max": float(flat.max())}
+
+
+# ---------------------------------------------------------------------------------------------- pipeline
+def time_pipeline(cfg: EncodeConfig, encoders: Encoders) -> tuple[float, int]:
+    """Seconds of one `run_rank` into a fresh output (nothing to reuse), and the samples it encoded."""
+    from encode.pipeline import RankInfo, run_rank
+    from encode.sources import list_partitions
+
+    before = encoders.texts_encoded
+    summary = run_rank(cfg, RankInfo(0, 1), encoders, list_partitions(cfg.source))
+    if summary.failed:
+        raise RuntimeError(f"encode bench: partitions failed: {summary.failed}")
+    return summary.seconds, encoders.texts_encoded - before  # each kept caption is encoded once
+
+
+def bench_encode(
+    plan: EncodeBenchConfig, preset_name: str, setup: DeviceSetup, work: Path, seed: int
+) -> dict[str, Any]:
+    """Samples/s of the real pipeline vs each stage alone, alternating them each repeat so both see the same
+    machine load; `images_per_s_per_device` is what the planner reads (samples encoded per second, every
+    resolution of a sample included)."""
+    source = build_source(work / "source", plan, seed)
+    encoders = bench_encoders(preset_name, setup)
+    stage_cfg = encode_config(plan, preset_name, source, work / "stages", setup)
+    stages, pipeline = [], []
+    for repeat in range(max(plan.repeats, 1)):
+        stages.append(time_stages(stage_cfg, encoders, plan, setup))
+        run_cfg = encode_config(plan, preset_name, source, work / f"encoded-{repeat}", setup)
+        pipeline.append(time_pipeline(run_cfg, encoders))
+    samples, kept = pipeline[0][1], stages[0].kept
+    if not samples or not kept:
+        raise ValueError(
+            "encode bench: no sample passed the filters; raise encode.source_short_side or samples"
+        )
+    stage_s = {name: statistics.median(run.seconds[name] for run in stages) for name in stages[0].seconds}
+    summary = summarize_encode(plan, samples, [s for s, _ in pipeline], kept, stage_s)
+    vae_input_s = statistics.median(run.vae_input_s for run in stages)
+    return summary | {
+        "vae_input_share_of_vae": vae_input_s / stage_s["vae"] if stage_s["vae"] else 0.0,
+        "latent_precision": precision_check(stage_cfg, encoders, plan),
+    }
+
+
+def precision_check(cfg: EncodeConfig, encoders: Encoders, plan: EncodeBenchConfig) -> dict[str, Any]:
+    """`latent_precision` on up to LATENT_PRECISION_IMAGES kept images at the largest resolution."""
+    res = max(plan.resolutions)
+    samples, _ = prepare_all(cfg, encoders)
+    pixels = [s.pixels[res] for s in samples if res in s.pixels][:LATENT_PRECISION_IMAGES]
+    return latent_precision(encoders, pixels, plan.batch_size) if pixels else {"images": 0}
+
+
+def summarize_encode(
+    plan: EncodeBenchConfig, samples: int, seconds: list[float], kept: int, stage_s: dict[str, float]
+) -> dict[str, Any]:
+    rate = samples / statistics.median(seconds)
+    stage_rates = {name: kept / s if s else float("inf") for name, s in stage_s.items()}
+    models_rate = kept / (stage_s["vae"] + stage_s["text"])
+    if plan.workers:
+        bound = min(stage_rates["prepare"] * plan.workers, models_rate)
+    else:  # no workers: preparing runs in the main process too, one after the other with the models
+        bound = kept / sum(stage_s.values())
+    slowest = min(stage_rates, key=lambda name: stage_rates[name])
+    return {
+        "images_per_s_per_device": rate,
+        "samples": samples,
+        "pipeline_s": seconds,
+        "resolutions": plan.resolutions,
+        "source_short_side": plan.source_short_side or "sample data (24-288 px)",
+        "batch_size": plan.batch_size,
+        "workers": plan.workers,
+        "stages_samples_per_s": stage_rates,
+        "models_serial_samples_per_s": models_rate,
+        "slowest_stage": slowest,
+        "bound_samples_per_s": bound,
+        "share_of_bound": rate / bound,
+        "share_of_slowest_stage": rate / stage_rates[slowest],
+    }

@@ -1,0 +1,119 @@
+"""What one optimizer step and one checkpoint cost a data-parallel run: the formulas, written once.
+
+Communication, per rank per optimizer step, for P parameters on W ranks with A microbatches per step
+(ring collectives: a rank sends, and receives, (W-1)/W of the full tensor in an all-gather or a
+reduce-scatter, twice that in an all-reduce):
+
+    SHARD_GRAD_OP  A x [1 all-gather of the params (param dtype) + 1 reduce-scatter of grads (reduce dtype)]
+                   forward gathers the params, backward keeps them, frees them after, so the next
+                   microbatch gathers again: Composer applies `no_sync` to DDP only, not to FSDP
+    FULL_SHARD     A x [2 all-gathers (forward and backward) + 1 reduce-scatter]
+    NO_SHARD       A x [1 all-reduce of the grads] (FSDP without sharding)
+    DDP            1 all-reduce of the grads per step (fsdp=false: Composer wraps accumulation in no_sync)
+
+    all-gather bytes    = (W-1)/W x P x param bytes     (bf16 under amp_bf16: 2)
+    reduce-scatter bytes = (W-1)/W x P x reduce bytes   (fsdp_reduce_dtype: fp32 4, bf16 2)
+    all-reduce bytes    = 2 (W-1)/W x P x reduce bytes
+
+Checkpoint (fp32 weights, the EMA copy and AdamW's two moments): 4P + 4P + 8P = 16P bytes. Written full by
+rank 0 it goes out of one node; sharded, every rank writes 16P/W and a node 16P/nodes, all nodes at once:
+
+    save seconds = bytes written by the busiest node / write bandwidth per node
+    step seconds = global batch / (images/s per GPU x W)
+    save share   = save seconds / (save_interval x step seconds + save seconds)
+
+SD2-base, 256 A100s, global batch 2048, microbatch 8 (A = 1), SHARD_GRAD_OP, bf16 params, fp32 reduce:
+all-gather 255/256 x 865,910,724 x 2 = 1.725 GB, reduce-scatter 3.450 GB per rank per step; checkpoint
+13.85 GB, 54.1 MB per rank sharded; at 1 GB/s per node a full save takes 13.9 s, a sharded one 0.43 s;
+at 184.6 img/s per GPU a step is 43.3 ms, so saving every 2500 batches costs 11.3 % (full) or 0.40 %
+(sharded) of wall time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+# diffusers UNet2DConditionModel with the sd2-base preset's shapes (shared/presets.py), counted with
+# sum(p.numel() for p in unet.parameters()).
+PRESET_PARAMS = {"sd2-base": 865_910_724}
+# The best published SD2-base training throughput on A100s (MosaicML, "Training Stable Diffusion from
+# Scratch for <$50k", 2023): images/s per GPU by resolution, ~32 % MFU.
+PUBLISHED_IMAGES_PER_S_PER_A100 = {256: 184.6, 512: 42.2}
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+WEIGHT_BYTES, EMA_BYTES, ADAMW_BYTES = 4, 4, 8  # per parameter, fp32 (AdamW: exp_avg + exp_avg_sq)
+DEFAULT_WRITE_GB_PER_S_PER_NODE = 1.0  # a node uploading to S3 or writing a shared filesystem, GB/s
+SAVE_SHARE_TARGET = 0.01  # saving should cost under 1 % of wall time
+GB = 1e9
+
+Strategy = Literal["SHARD_GRAD_OP", "FULL_SHARD", "NO_SHARD", "DDP"]
+# Collectives per microbatch (FSDP) or per step (DDP): (all-gathers, reduce-scatters, all-reduces).
+_COLLECTIVES: dict[str, tuple[int, int, int]] = {
+    "SHARD_GRAD_OP": (1, 1, 0),
+    "FULL_SHARD": (2, 1, 0),
+    "NO_SHARD": (0, 0, 1),
+    "DDP": (0, 0, 1),
+}
+
+
+@dataclass(frozen=True)
+class StepComm:
+    """Collectives and bytes each rank sends (and receives) per optimizer step."""
+
+    all_gathers: int
+    reduce_scatters: int
+    all_reduces: int
+    all_gather_bytes: float
+    reduce_scatter_bytes: float
+    all_reduce_bytes: float
+
+    @property
+    def total_bytes(self) -> float:
+        return self.all_gather_bytes + self.reduce_scatter_bytes + self.all_reduce_bytes
+
+
+def step_comm(
+    params: int, world_size: int, grad_accum: int, strategy: Strategy, param_bytes: int, reduce_bytes: int
+) -> StepComm:
+    """The module docstring's communication formulas."""
+    gathers, scatters, reduces = _COLLECTIVES[strategy]
+    per_step = 1 if strategy == "DDP" else grad_accum
+    ring = (world_size - 1) / world_size
+    return StepComm(
+        all_gathers=gathers * per_step,
+        reduce_scatters=scatters * per_step,
+        all_reduces=reduces * per_step,
+        all_gather_bytes=gathers * per_step * ring * params * param_bytes,
+        reduce_scatter_bytes=scatters * per_step * ring * params * reduce_bytes,
+        all_reduce_bytes=reduces * per_step * 2 * ring * params * reduce_bytes,
+    )
+
+
+@dataclass(frozen=True)
+class CheckpointCost:
+    total_bytes: float  # weights + EMA + AdamW state
+    per_rank_bytes: float  # sharded: what each rank writes
+    full_save_s: float  # rank 0 writes everything from one node
+    sharded_save_s: float  # every node writes its ranks' shards at once
+
+
+def checkpoint_cost(
+    params: int, world_size: int, nodes: int, write_gb_per_s_per_node: float
+) -> CheckpointCost:
+    total = params * (WEIGHT_BYTES + EMA_BYTES + ADAMW_BYTES)
+    bandwidth = write_gb_per_s_per_node * GB
+    return CheckpointCost(total, total / world_size, total / bandwidth, total / nodes / bandwidth)
+
+
+def step_seconds(global_batch: int, images_per_s_per_gpu: float, world_size: int) -> float:
+    return global_batch / (images_per_s_per_gpu * world_size)
+
+
+def save_share(save_s: float, interval_batches: int, step_s: float) -> float:
+    """Fraction of wall time spent saving when a save of `save_s` follows every `interval_batches` steps."""
+    return save_s / (interval_batches * step_s + save_s)
+
+
+def min_interval_for_share(save_s: float, step_s: float, share: float = SAVE_SHARE_TARGET) -> int:
+    """The smallest save interval (batches) that keeps saving under `share` of wall time."""
+    return int(save_s * (1 - share) / (share * step_s)) + 1

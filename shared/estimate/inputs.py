@@ -1,0 +1,151 @@
+"""Measured planner inputs: a `make bench` JSON (throughput, encode rate), an encode manifest."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from shared import storage
+from shared.estimate.config import EstimateConfig
+from shared.estimate.gpus import GPU_TABLE, MANIFEST_FILE, EstimateError, gpu_type_for_device
+
+# ------------------------------------------------------------------------------------- measured inputs
+
+
+@dataclass(frozen=True)
+class Measured:
+    """The numbers the estimate runs on, after reading the bench JSON and encode manifest (if given)."""
+
+    throughput: dict[int, float]  # training images/s per GPU by resolution, on `measured_on`
+    measured_on: str
+    reference_gpus: int
+    encode_images_per_s_per_gpu: float
+    bytes_per_sample: dict[int, float]
+    kept_share: dict[int, float]  # share of read samples each resolution keeps (from a manifest; else {})
+    notes: tuple[str, ...] = ()
+
+
+def _read_json(uri: str, what: str, fix: str) -> dict[str, Any]:
+    try:
+        obj = storage.read_json(uri)
+    except (OSError, ValueError) as err:
+        raise EstimateError(f"cannot read {what} {uri!r}: {err}; {fix}") from err
+    if not isinstance(obj, dict):
+        raise EstimateError(f"{what} {uri!r} must hold a JSON object, not {type(obj).__name__}; {fix}")
+    return obj
+
+
+def _rate(entry: Any, where: str) -> float:
+    value = entry.get("images_per_s_per_device") if isinstance(entry, dict) else None
+    if not isinstance(value, (int, float)) or value <= 0:
+        raise EstimateError(f"{where}: expected {{'images_per_s_per_device': <number > 0>}}, got {entry!r}")
+    return float(value)
+
+
+def _encode_rate(entry: Any, where: str) -> float:
+    """One rate, or per-resolution rates whose per-image times add up (each sample is encoded at each)."""
+    if isinstance(entry, dict) and "images_per_s_per_device" not in entry:
+        seconds = sum(1.0 / _rate(v, f"{where}.{k}") for k, v in entry.items())
+        return 1.0 / seconds if seconds else 0.0
+    return _rate(entry, where)
+
+
+def _resolution(key: Any, where: str) -> int:
+    if not str(key).strip().isdigit():
+        raise EstimateError(f'{where}: keys must be resolutions in px (e.g. "256"), got {key!r}')
+    return int(key)
+
+
+def read_bench(uri: str) -> dict[str, Any]:
+    """Parse a `make bench` JSON into {train: {res: rate}, device, gpu_type, num_devices, encode}."""
+    fix = "point throughput_from at the JSON `make bench` wrote (schema: the shared/estimate docstring)"
+    obj = _read_json(uri, "bench result", fix)
+    train = obj.get("train")
+    if not isinstance(train, dict) or not train:
+        raise EstimateError(f"bench result {uri} has no `train` section keyed by resolution; {fix}")
+    device = str(obj.get("device") or "")
+    where = f"bench result {uri}"
+    return {
+        "train": {_resolution(r, where): _rate(e, f"{where}: train.{r}") for r, e in train.items()},
+        "device": device,
+        "gpu_type": gpu_type_for_device(device) if device else None,
+        "num_devices": int(obj["num_devices"]) if obj.get("num_devices") else None,
+        "encode": _encode_rate(obj["encode"], f"{where}: encode") if obj.get("encode") else None,
+    }
+
+
+def read_manifest_sizes(uri: str) -> tuple[dict[int, float], dict[int, float]]:
+    """Bytes per sample and kept share per resolution from an encode manifest (root or manifest.json)."""
+    path = uri if uri.endswith(".json") else storage.join(uri, MANIFEST_FILE)
+    fix = "point storage.manifest at the output.uri of a finished `make encode` run (or its manifest.json)"
+    obj = _read_json(path, "encode manifest", fix)
+    resolutions, counts = obj.get("resolutions"), obj.get("num_samples") or {}
+    if not isinstance(resolutions, dict) or not resolutions:
+        raise EstimateError(f"encode manifest {path} has no `resolutions` section; {fix}")
+    samples_read = obj.get("samples_read") or 0
+    bytes_per_sample, kept = {}, {}
+    for key, info in resolutions.items():
+        res = _resolution(key, f"encode manifest {path}: resolutions")
+        n = counts.get(str(key), info.get("num_samples", 0))
+        if n > 0 and info.get("bytes", 0) > 0:
+            bytes_per_sample[res] = info["bytes"] / n
+            kept[res] = n / samples_read if samples_read > 0 else 1.0
+    if not bytes_per_sample:
+        raise EstimateError(f"encode manifest {path} holds no sized samples at any resolution; {fix}")
+    return bytes_per_sample, kept
+
+
+def resolve_inputs(cfg: EstimateConfig) -> Measured:
+    """Config numbers, replaced by the bench JSON and encode manifest where those are given."""
+    notes: list[str] = []
+    throughput = {int(k): v for k, v in cfg.throughput.per_gpu.items()}
+    measured_on, reference = cfg.measured_on, cfg.scaling.reference_gpus
+    encode_rate = cfg.encode.images_per_s_per_gpu
+    if cfg.throughput_from:
+        bench = read_bench(cfg.throughput_from)
+        throughput = bench["train"]
+        measured_on = bench["gpu_type"] or measured_on
+        reference = bench["num_devices"] or reference
+        encode_rate = bench["encode"] or encode_rate
+        notes.append(f"throughput from {cfg.throughput_from} ({bench['device'] or 'device not recorded'})")
+        if bench["device"] and not bench["gpu_type"]:
+            notes.append(f"WARNING: bench device {bench['device']!r} is unknown; taken as {measured_on}")
+    bytes_per_sample = {int(k): v for k, v in cfg.storage.bytes_per_sample.items()}
+    kept: dict[int, float] = {}
+    if cfg.storage.manifest:
+        bytes_per_sample, kept = read_manifest_sizes(cfg.storage.manifest)
+        notes.append(f"bytes/sample from {cfg.storage.manifest}")
+    _check_throughput_covers_schedule(cfg, throughput)
+    _check_encode_rate(cfg, encode_rate)
+    if measured_on != cfg.gpu.type:
+        notes.append(_device_mismatch_note(cfg, measured_on))
+    return Measured(throughput, measured_on, reference, encode_rate, bytes_per_sample, kept, tuple(notes))
+
+
+def _check_throughput_covers_schedule(cfg: EstimateConfig, throughput: Mapping[int, float]) -> None:
+    missing = sorted({p.resolution for p in cfg.schedule} - set(throughput))
+    if missing:
+        have = ", ".join(str(r) for r in sorted(throughput)) or "none"
+        raise EstimateError(
+            f"no training throughput for {', '.join(map(str, missing))} px (have: {have}); set "
+            f"throughput.per_gpu.{missing[0]}=<images/s/GPU> or throughput_from=<make bench JSON>"
+        )
+
+
+def _check_encode_rate(cfg: EstimateConfig, rate: float) -> None:
+    if cfg.encode.samples and rate <= 0:
+        raise EstimateError(
+            f"encode.samples={cfg.encode.samples} but no encode throughput; set "
+            "encode.images_per_s_per_gpu=<images/s/GPU> (or encode.samples=0 to leave encode out)"
+        )
+
+
+def _device_mismatch_note(cfg: EstimateConfig, measured_on: str) -> str:
+    if cfg.throughput.scale_by_peak_flops:
+        ratio = GPU_TABLE[cfg.gpu.type].peak_bf16_tflops / GPU_TABLE[measured_on].peak_bf16_tflops
+        return f"throughput measured on {measured_on}, scaled x{ratio:.2f} by peak bf16 TFLOP/s (optimistic)"
+    return (
+        f"WARNING: throughput measured on {measured_on} but planning {cfg.gpu.type}; run `make bench` on "
+        f"{cfg.gpu.type} or set throughput.scale_by_peak_flops=true for an optimistic bound"
+    )

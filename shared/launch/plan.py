@@ -1,0 +1,312 @@
+"""Launch plans: how many nodes and ranks a train or encode job gets, and the commands that start them.
+
+A plan is pure data derived from the request (`--gpus 256 --launcher slurm`) and the job's config: the
+node layout, the batch split (train), and the ordered steps that launch it (exec torchrun, submit sbatch
+scripts, apply a Kubernetes manifest). `--dry-run` prints a plan (shared/launch/report.py);
+shared/launch/submit.py executes one.
+
+Every path starts ranks with torchrun (part of torch, so the encode side never needs composer) and a static
+rendezvous at node 0 with an explicit node rank. Composer and MosaicML Streaming read what torchrun sets
+(RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT); torchrun does not set NODE_RANK,
+which Composer uses to name per-node signal files, so every launch path exports it as the node rank.
+
+This module imports nothing heavy (no torch at import, never composer): encode launches go through it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from shared.batching import Batching
+from shared.config import REPO_ROOT
+
+Launcher = Literal["local", "slurm", "k8s"]
+LAUNCHERS: tuple[str, ...] = ("local", "slurm", "k8s")
+JobKind = Literal["train", "encode"]
+
+DEFAULT_GPUS_PER_NODE = 8  # DGX / p4d / p5 / a3 nodes
+DEFAULT_MASTER_PORT = 29500  # torchrun's own default
+# Kubernetes object names are DNS labels (63 chars); Indexed Job pods append "-<index>" to the job name.
+MAX_NAME_CHARS = 50
+# Written into argv where a later step needs the job id an earlier `sbatch --parsable` printed.
+ARRAY_JOB_ID = "<array-job-id>"
+
+
+class LaunchError(ValueError):
+    """A launch request that cannot work as asked; the message names the fix."""
+
+
+@dataclass(frozen=True)
+class Topology:
+    """How the requested GPUs are laid out: `nodes` machines with `gpus_per_node` ranks each."""
+
+    nodes: int
+    gpus_per_node: int
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+def derive_topology(gpus: int, nodes: int | None = None, gpus_per_node: int | None = None) -> Topology:
+    """E.g. 256 GPUs -> 32 nodes x 8; 4 GPUs -> 1 node x 4; 16 GPUs with nodes=4 -> 4 nodes x 4."""
+    if gpus < 1 or (nodes is not None and nodes < 1) or (gpus_per_node is not None and gpus_per_node < 1):
+        raise LaunchError(f"GPUS={gpus}, NODES={nodes} and GPUS_PER_NODE={gpus_per_node} must be >= 1")
+    if nodes is not None:
+        if gpus % nodes:
+            raise LaunchError(f"GPUS={gpus} does not split evenly over NODES={nodes}; use a multiple of it")
+        per_node = gpus // nodes
+        if gpus_per_node is not None and gpus_per_node != per_node:
+            raise LaunchError(
+                f"GPUS={gpus} over NODES={nodes} is {per_node} per node, not GPUS_PER_NODE={gpus_per_node}; "
+                f"drop one of the three or use GPUS={nodes * gpus_per_node}"
+            )
+        return Topology(nodes, per_node)
+    per_node = gpus_per_node or DEFAULT_GPUS_PER_NODE
+    if gpus <= per_node:
+        return Topology(1, gpus)
+    if gpus % per_node:
+        lower, upper = gpus - gpus % per_node, gpus - gpus % per_node + per_node
+        raise LaunchError(
+            f"GPUS={gpus} is not a multiple of {per_node} GPUs per node; use GPUS={lower} or {upper}, or set "
+            "NODES / --gpus-per-node to match your machines"
+        )
+    return Topology(gpus // per_node, per_node)
+
+
+@dataclass
+class LaunchOptions:
+    """Everything a launch takes besides the job itself; one CLI flag per field."""
+
+    gpus: int = 1
+    launcher: str = "local"
+    nodes: int | None = None  # None: gpus / gpus_per_node
+    gpus_per_node: int | None = None  # None: DEFAULT_GPUS_PER_NODE (or all of `gpus` when fewer)
+    # local only, for a multi-node run without a scheduler: run the same command on every machine, each with
+    # its own node rank, all pointing at node 0.
+    node_rank: int | None = None
+    master_addr: str | None = None
+    master_port: int = DEFAULT_MASTER_PORT
+    name: str | None = None  # Slurm job / Kubernetes object name; None: sd-<job>-<config>
+    image: str | None = None  # k8s: a container image with this repo installed (`pip install -e .`)
+    namespace: str | None = None  # k8s: None means kubectl's current namespace
+    secret: str = "sd-pretrain-env"  # k8s: Secret holding AWS_* / HF_TOKEN (optional: pods start without it)
+    partition: str | None = None  # slurm
+    account: str | None = None  # slurm
+    time_limit: str | None = None  # slurm --time, e.g. 3-00:00:00
+    efa: bool = False  # add the AWS EFA libfabric knobs (p4d / p5 nodes) from jobs/launch/env.yaml
+    # Per rank (an encode array task, or one GPU's share of a node): None derives them from the job's config
+    # (data loader workers + the rank's own process; the job's documented memory estimate).
+    cpus_per_rank: int | None = None
+    mem_per_rank_gb: int | None = None
+    # Extra sbatch options written as `#SBATCH --key=value` into every script (`qos=high`, `requeue`).
+    sbatch_options: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.launcher not in LAUNCHERS:
+            raise LaunchError(f"LAUNCHER={self.launcher!r} is not one of {', '.join(LAUNCHERS)}")
+        if self.launcher == "k8s" and not self.image:
+            raise LaunchError(
+                "the k8s launcher needs a container image with this repo installed: pass --image "
+                "registry/sd-pretrain:tag (make: IMAGE=...)"
+            )
+        if self.launcher != "local" and (self.node_rank is not None or self.master_addr):
+            raise LaunchError(
+                f"--node-rank / --master-addr are for the local launcher; {self.launcher} picks node ranks "
+                "and the rendezvous host itself: drop them"
+            )
+        if not 0 < self.master_port < 1 << 16:
+            raise LaunchError(f"--master-port {self.master_port} is not a TCP port (1-65535)")
+        for flag, value in (
+            ("--cpus-per-rank", self.cpus_per_rank),
+            ("--mem-per-rank-gb", self.mem_per_rank_gb),
+        ):
+            if value is not None and value < 1:
+                raise LaunchError(f"{flag} {value} must be >= 1 (or left out to derive it from the config)")
+
+    def topology(self) -> Topology:
+        return derive_topology(self.gpus, self.nodes, self.gpus_per_node)
+
+
+@dataclass(frozen=True)
+class RankResources:
+    """What one rank asks the scheduler for besides its GPU: CPUs and host memory (GiB)."""
+
+    cpus: int
+    memory_gb: int
+    basis: str  # how they were derived, shown in the plan
+
+    def for_ranks(self, ranks: int) -> RankResources:
+        return RankResources(self.cpus * ranks, self.memory_gb * ranks, self.basis)
+
+
+def rank_resources(options: LaunchOptions, workers: int, base_gb: int, gb_per_worker: int) -> RankResources:
+    """CPUs = data workers + the rank's own process; memory = base + per worker; flags override either."""
+    cpus = options.cpus_per_rank or workers + 1
+    memory = options.mem_per_rank_gb or base_gb + gb_per_worker * workers
+    basis = (
+        f"{plural(workers, 'data worker')} + the rank; {base_gb} GiB + {gb_per_worker} GiB per worker; "
+        "--cpus-per-rank / --mem-per-rank-gb override"
+    )
+    return RankResources(cpus, memory, basis)
+
+
+def plural(count: int, noun: str, nouns: str = "") -> str:
+    """`1 node`, `32 nodes`, `2 microbatches` (pass the plural where it is not noun + s)."""
+    return f"{count} {noun}" if count == 1 else f"{count} {nouns or noun + 's'}"
+
+
+@dataclass(frozen=True)
+class Step:
+    """One command a launch runs; steps run in order and a failing one stops the rest."""
+
+    what: str  # one line for the dry-run and the log
+    argv: tuple[str, ...]
+    stdin: str | None = None  # a rendered sbatch script or manifest
+    env: Mapping[str, str] = field(default_factory=dict)  # added to the launching environment
+    file_name: str | None = None  # what the stdin spec would be called on disk (dry-run header)
+
+
+@dataclass
+class LaunchPlan:
+    """A fully derived launch: what runs where, and the steps that start it."""
+
+    job: JobKind
+    target: str  # the train config or dataset name as given
+    options: LaunchOptions
+    topology: Topology
+    program: tuple[str, ...]  # python -m <program...>: what every rank runs
+    steps: list[Step] = field(default_factory=list)
+    batching: Batching | None = None  # train only
+    finalize: str | None = None  # encode only: how the index merge runs once all ranks are done
+    estimate: str | None = None  # train only: time/cost line from the planner (shared/estimate)
+    resources: RankResources | None = None  # per rank; None: the scheduler's defaults
+    cluster: list[str] = field(default_factory=list)  # train only: communication / checkpoint lines
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return self.options.name or job_name(self.job, self.target)
+
+
+def job_name(job: str, target: str) -> str:
+    """A DNS-label-safe default name: `sd-train-sd2-base-256`."""
+    stem = Path(target).stem if target.endswith((".yaml", ".yml")) else target
+    slug = re.sub(r"[^a-z0-9]+", "-", f"sd-{job}-{stem}".lower()).strip("-")
+    return slug[:MAX_NAME_CHARS].rstrip("-")
+
+
+def check_name(name: str) -> str:
+    if not re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", name) or len(name) > MAX_NAME_CHARS:
+        raise LaunchError(
+            f"job name {name!r} must be lowercase letters, digits and '-', start with a letter and have at "
+            f"most {MAX_NAME_CHARS} characters (Kubernetes and Slurm both show it): pass --name my-run"
+        )
+    return name
+
+
+# --- the job ----------------------------------------------------------------------------------------
+
+
+def program_target(name_or_path: str) -> str:
+    """A config name as every rank should see it: names stay, an existing file becomes an absolute path
+    (Slurm tasks run in the repo root, not where the command was typed)."""
+    path = Path(name_or_path)
+    return str(path.resolve()) if path.is_file() else name_or_path
+
+
+# --- this machine ------------------------------------------------------------------------------------
+
+
+def local_gpu_count() -> int:
+    """CUDA devices visible here (torch is imported only now, and only for the local launcher)."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def check_local_capacity(topology: Topology, options: LaunchOptions) -> list[str]:
+    """Refuse a local launch this machine cannot hold; returns notes for the plan."""
+    if topology.nodes > 1 and (options.node_rank is None or not options.master_addr):
+        nodes = topology.nodes
+        raise LaunchError(
+            f"{nodes} nodes do not fit on this machine: use LAUNCHER=slurm or LAUNCHER=k8s, or run the same "
+            f"command on each of the {nodes} machines with NODE_RANK=0..{nodes - 1} and "
+            "MASTER_ADDR=<node 0's address> (make: NODE_RANK=.. MASTER_ADDR=..)"
+        )
+    if options.node_rank is not None and not 0 <= options.node_rank < topology.nodes:
+        raise LaunchError(f"NODE_RANK={options.node_rank} must be in 0..{topology.nodes - 1}")
+    gpus_here = local_gpu_count()
+    per_node = topology.gpus_per_node
+    if gpus_here and per_node > gpus_here:
+        raise LaunchError(
+            f"{per_node} GPUs per node requested but this machine has {gpus_here}: use GPUS={gpus_here} "
+            f"(or NODES to spread the run), or LAUNCHER=slurm / k8s"
+        )
+    if not gpus_here:
+        cores = os.cpu_count() or 1
+        if per_node > cores:
+            raise LaunchError(
+                f"no GPU here, so the local launcher runs {per_node} CPU ranks on gloo, but this machine has "
+                f"{cores} CPU cores: use GPUS={cores} or fewer, or LAUNCHER=slurm / k8s"
+            )
+        return [f"no GPU on this machine: {plural(per_node, 'CPU rank')} on gloo"]
+    return []
+
+
+def local_torchrun() -> str:
+    """The torchrun next to this interpreter (the project's .venv), else the one on PATH."""
+    beside = Path(sys.executable).parent / "torchrun"
+    if beside.exists():
+        return str(beside)
+    found = shutil.which("torchrun")
+    if not found:
+        raise LaunchError(
+            "torchrun not found next to this Python or on PATH: it ships with torch; run `make install` "
+            "or activate the environment that has torch"
+        )
+    return found
+
+
+def repo_python() -> str:
+    """The interpreter Slurm tasks run: this one, which cluster nodes see on the shared filesystem."""
+    return sys.executable
+
+
+def workdir() -> str:
+    return str(REPO_ROOT)
+
+
+# --- torchrun ---------------------------------------------------------------------------------------
+
+
+def torchrun_args(topology: Topology, node_rank: str, master_addr: str, master_port: str) -> list[str]:
+    """torchrun's flags for one node of a static rendezvous (values may be shell / k8s variables)."""
+    return [
+        f"--nnodes={topology.nodes}",
+        f"--nproc-per-node={topology.gpus_per_node}",
+        f"--node-rank={node_rank}",
+        f"--master-addr={master_addr}",
+        f"--master-port={master_port}",
+    ]
+
+
+def local_torchrun_argv(
+    torchrun: str, topology: Topology, options: LaunchOptions, program: Sequence[str]
+) -> list[str]:
+    """One machine's torchrun command: standalone (a free port) for one node, else the given rendezvous."""
+    if topology.nodes == 1:
+        # --standalone picks a free port itself, so two local runs on one machine never collide.
+        flags = ["--standalone", "--nnodes=1", f"--nproc-per-node={topology.gpus_per_node}"]
+    else:
+        flags = torchrun_args(
+            topology, str(options.node_rank), str(options.master_addr), str(options.master_port)
+        )
+    return [torchrun, *flags, "-m", *program]

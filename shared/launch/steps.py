@@ -1,0 +1,175 @@
+"""The ordered steps that start a plan's ranks: exec torchrun here, sbatch scripts, a Kubernetes manifest."""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Mapping
+from pathlib import Path
+
+from shared.launch.plan import (
+    ARRAY_JOB_ID,
+    LaunchError,
+    LaunchPlan,
+    Step,
+    Topology,
+    check_local_capacity,
+    check_name,
+    local_torchrun,
+    local_torchrun_argv,
+    plural,
+    repo_python,
+    torchrun_args,
+    workdir,
+)
+from shared.launch.specs import (
+    SLURM_ARRAY,
+    SLURM_FINALIZE,
+    SLURM_NODES,
+    SbatchHeader,
+    SlurmSite,
+    array_resources,
+    finalize_resources,
+    load_env_vars,
+    node_resources,
+    render_env_entries,
+    render_env_exports,
+    render_k8s_job,
+    render_sbatch,
+    secret_by_value,
+)
+from shared.launch.validate import check_options, check_value, check_values, parse_sbatch_option
+
+# The pod annotation an Indexed Job sets to the pod's index: node rank i is pod i.
+K8S_COMPLETION_INDEX = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+SBATCH = ("sbatch", "--parsable")  # --parsable: print only "<job id>[;<cluster>]"
+KUBECTL_APPLY = ("kubectl", "apply", "-f", "-")
+
+
+def _k8s_notes(plan: LaunchPlan) -> list[str]:
+    if plan.options.launcher == "k8s" and Path(plan.target).is_file():
+        return [f"{plan.target} is a local file: the pods read it from the image, so it must be there too"]
+    return []
+
+
+def layout(topology: Topology) -> str:
+    """`32 nodes x 8 GPUs`, `1 node x 1 GPU`."""
+    return f"{plural(topology.nodes, 'node')} x {plural(topology.gpus_per_node, 'GPU')}"
+
+
+def check_plan_values(plan: LaunchPlan) -> None:
+    """Everything of the plan a script or manifest will hold (14.11: no line can be injected)."""
+    check_name(plan.name)
+    check_options(plan.options)
+    check_values(plan.program, "the config path / key=value overrides")
+    check_value(workdir(), "the repo path (run from a checkout whose path has no control characters)")
+    check_value(repo_python(), "the Python interpreter path")
+
+
+def build_steps(plan: LaunchPlan, environ: Mapping[str, str]) -> list[Step]:
+    check_plan_values(plan)
+    launcher = plan.options.launcher
+    if launcher != "slurm" and plan.options.sbatch_options:
+        raise LaunchError(f"--sbatch-option is for LAUNCHER=slurm, not {launcher}: drop it")
+    if launcher == "local":
+        plan.notes += check_local_capacity(plan.topology, plan.options)
+        return [local_step(plan)]
+    if launcher == "slurm":
+        return slurm_array_steps(plan) if plan.job == "encode" else [slurm_nodes_step(plan)]
+    plan.notes += _k8s_notes(plan)
+    return [k8s_step(plan, environ)]
+
+
+def local_step(plan: LaunchPlan) -> Step:
+    argv = local_torchrun_argv(local_torchrun(), plan.topology, plan.options, plan.program)
+    node_rank = str(plan.options.node_rank or 0)
+    return Step(f"torchrun on this machine (node {node_rank})", tuple(argv), env={"NODE_RANK": node_rank})
+
+
+def _title(plan: LaunchPlan, layout: str) -> str:
+    return f"sd-pretrain {plan.job} {plan.target}: {layout}"
+
+
+def _sbatch_header(plan: LaunchPlan, layout: str, name: str, resources: Mapping[str, object]) -> SbatchHeader:
+    options = plan.options
+    extra = tuple(parse_sbatch_option(option) for option in options.sbatch_options)
+    site = SlurmSite(options.partition, options.account, options.time_limit, extra)
+    env_block = render_env_exports(load_env_vars(options.efa))
+    return SbatchHeader(_title(plan, layout), name, resources, site, env_block, workdir())
+
+
+def slurm_nodes_step(plan: LaunchPlan) -> Step:
+    """One sbatch script: `nodes` whole nodes, torchrun on each, rendezvous at the first."""
+    topo, options = plan.topology, plan.options
+    torchrun = check_value(slurm_torchrun(), "the torchrun path")
+    values = {
+        "nodes": topo.nodes,
+        "gpus_per_node": topo.gpus_per_node,
+        "layout": layout(topo),
+        "master_port": options.master_port,
+        "torchrun": shlex.quote(torchrun),
+        "program": shlex.join(plan.program),
+    }
+    header = _sbatch_header(plan, layout(topo), plan.name, node_resources(topo))
+    script = render_sbatch(SLURM_NODES, header, values)
+    return Step("the sbatch script", SBATCH, stdin=script, file_name=f"{plan.name}.sbatch")
+
+
+def slurm_torchrun() -> str:
+    """torchrun as Slurm nodes run it: this environment's, on the filesystem every node mounts."""
+    return local_torchrun()
+
+
+def slurm_array_steps(plan: LaunchPlan) -> list[Step]:
+    """An array of one-GPU encode ranks, then a finalize job that waits for all of them to succeed."""
+    world, python = plan.topology.world_size, shlex.quote(repo_python())
+    if plan.resources is None:
+        raise LaunchError("an encode array needs per-rank resources; plan_encode sets them")
+    resources = array_resources(world, plan.resources)
+    array_header = _sbatch_header(plan, f"{plural(world, 'array task')} x 1 GPU", plan.name, resources)
+    array_values = {"world_size": world, "python": python, "program": shlex.join(plan.program)}
+    ranks = render_sbatch(SLURM_ARRAY, array_header, array_values)
+    finalize_name = f"{plan.name}-finalize"
+    finalize_program = shlex.join(("encode", "finalize", *plan.program[2:]))
+    after_all = "finalize after every rank succeeded"
+    finalize_header = _sbatch_header(plan, after_all, finalize_name, finalize_resources())
+    finalize = render_sbatch(SLURM_FINALIZE, finalize_header, {"python": python, "program": finalize_program})
+    return [
+        Step("the encode array", SBATCH, stdin=ranks, file_name=f"{plan.name}.sbatch"),
+        Step(
+            "the finalize job",
+            (*SBATCH, f"--dependency=afterok:{ARRAY_JOB_ID}", "--kill-on-invalid-dep=yes"),
+            stdin=finalize,
+            file_name=f"{finalize_name}.sbatch",
+        ),
+    ]
+
+
+def k8s_step(plan: LaunchPlan, environ: Mapping[str, str]) -> Step:
+    """A headless Service + Indexed Job: pod i runs torchrun as node i, rendezvous at pod 0."""
+    topo, options = plan.topology, plan.options
+    master = f"{plan.name}-0.{plan.name}"
+    # $(NODE_RANK) is expanded by Kubernetes from the env entry below (the pod's completion index).
+    flags = torchrun_args(topo, "$(NODE_RANK)", master, str(options.master_port))
+    command = ["torchrun", *flags, "-m", *plan.program]
+    env = [{"name": "NODE_RANK", "valueFrom": {"fieldRef": {"fieldPath": K8S_COMPLETION_INDEX}}}]
+    env_vars = load_env_vars(options.efa)
+    env += render_env_entries(env_vars, environ, options.secret)
+    for name in secret_by_value(env_vars, environ):
+        plan.notes.append(
+            f"{name} holds a user:password, so pods read it from the Secret {options.secret}, not the "
+            f"manifest: kubectl create secret generic {options.secret} --from-literal={name}=... (with AWS_*)"
+        )
+    node = plan.resources.for_ranks(topo.gpus_per_node) if plan.resources else None
+    manifest = render_k8s_job(
+        _title(plan, layout(topo)),
+        plan.name,
+        plan.job,
+        topo,
+        command,
+        env,
+        str(options.image),
+        options.namespace,
+        options.master_port,
+        node,
+    )
+    return Step("the Kubernetes manifest", KUBECTL_APPLY, stdin=manifest, file_name=f"{plan.name}.yaml")

@@ -1,0 +1,60 @@
+"""The planner's per-step communication and checkpoint formulas against hand arithmetic (SD2-base)."""
+
+from __future__ import annotations
+
+import pytest
+
+from shared.estimate.cluster import (
+    PRESET_PARAMS,
+    checkpoint_cost,
+    min_interval_for_share,
+    save_share,
+    step_comm,
+    step_seconds,
+)
+
+P = 865_910_724  # SD2-base U-Net parameters (NOTES: 865.9 M)
+
+
+def test_shard_grad_op_gathers_and_scatters_once_per_microbatch() -> None:
+    one = step_comm(P, 256, 1, "SHARD_GRAD_OP", param_bytes=2, reduce_bytes=4)
+    assert (one.all_gathers, one.reduce_scatters, one.all_reduces) == (1, 1, 0)
+    assert one.all_gather_bytes == pytest.approx(1.72506e9, rel=1e-5)  # 255/256 x P x 2
+    assert one.reduce_scatter_bytes == pytest.approx(3.45011e9, rel=1e-5)  # 255/256 x P x 4
+    two = step_comm(P, 256, 2, "SHARD_GRAD_OP", 2, 4)
+    assert two.total_bytes == pytest.approx(2 * one.total_bytes)  # accumulation repeats both
+    assert step_comm(P, 256, 1, "SHARD_GRAD_OP", 2, 2).reduce_scatter_bytes == pytest.approx(
+        1.72506e9, rel=1e-5
+    )
+
+
+def test_full_shard_no_shard_and_ddp() -> None:
+    full = step_comm(P, 8, 2, "FULL_SHARD", 2, 4)
+    assert (full.all_gathers, full.reduce_scatters) == (4, 2)
+    assert full.all_gather_bytes == pytest.approx(4 * 7 / 8 * P * 2)
+    assert step_comm(P, 8, 2, "NO_SHARD", 2, 4).all_reduce_bytes == pytest.approx(2 * 2 * 7 / 8 * P * 4)
+    ddp = step_comm(P, 8, 2, "DDP", 4, 4)  # no_sync: one all-reduce per optimizer step
+    assert (ddp.all_reduces, ddp.all_reduce_bytes) == (1, pytest.approx(2 * 7 / 8 * P * 4))
+
+
+def test_checkpoint_size_save_time_and_share() -> None:
+    assert PRESET_PARAMS["sd2-base"] == P
+    ckpt = checkpoint_cost(P, 256, 32, write_gb_per_s_per_node=1.0)
+    assert ckpt.total_bytes == 16 * P == pytest.approx(13.8546e9, rel=1e-5)  # 4 + 4 + 8 bytes per param
+    assert ckpt.per_rank_bytes == pytest.approx(54.12e6, rel=1e-3)
+    assert (ckpt.full_save_s, ckpt.sharded_save_s) == (
+        pytest.approx(13.8546, rel=1e-5),
+        pytest.approx(0.43296, rel=1e-4),
+    )
+    step = step_seconds(2048, 184.6, 256)
+    assert step == pytest.approx(0.043337, rel=1e-4)
+    assert save_share(ckpt.full_save_s, 2500, step) == pytest.approx(13.8546 / (108.342 + 13.8546), rel=1e-4)
+    assert save_share(ckpt.sharded_save_s, 2500, step) == pytest.approx(0.0039803, rel=1e-3)
+    interval = min_interval_for_share(ckpt.full_save_s, step)
+    assert (
+        save_share(ckpt.full_save_s, interval, step)
+        < 0.01
+        <= save_share(ckpt.full_save_s, interval - 1, step)
+    )
+    at_512 = step_seconds(2048, 42.2, 256)  # 189.6 ms
+    assert save_share(ckpt.sharded_save_s, 2500, at_512) == pytest.approx(0.000913, rel=1e-2)

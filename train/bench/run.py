@@ -1,0 +1,217 @@
+"""Run every bench section in one process on whatever device is present; returns the JSON-able result."""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from encode.bench import bench_encode
+from shared.config import ConfigError, config_to_dict, load_config
+from shared.estimate import GPU_TABLE, gpu_type_for_device
+from shared.presets import get_preset
+from shared.runtime import DeviceSetup, resolve_device_setup
+from train.bench.config import BenchConfig
+from train.bench.data import (
+    bench_loader,
+    bench_trainer,
+    raw_read_bytes_per_s,
+    shard_files,
+    write_synthetic_dataset,
+)
+from train.bench.report import findings
+from train.bench.scale import bench_collectives
+from train.bench.scale_s3 import S3_RUN_BATCH, bench_s3_requests
+from train.bench.step import bench_train_steps, count_flops
+from train.bench.text_store import bench_text_store
+from train.config import TrainConfig
+from train.model import use_channels_last
+
+PYTHON_SIDE_TARGET = 0.05  # issue 11: under 5% of a step outside the U-Net forward/backward and optimizer
+
+
+def load_recipe(cfg: BenchConfig, setup: DeviceSetup, work: Path) -> TrainConfig:
+    """The train recipe at the bench's preset, device and precision (single device: no FSDP)."""
+    overrides = [
+        f"model.preset={cfg.preset}",
+        f"data.resolution={cfg.data_resolution()}",
+        f"save_folder={work / 'save'}",
+        "fsdp=false",
+        f"device={setup.kind}",
+        f"precision={setup.precision}",
+    ]
+    return load_config(TrainConfig, cfg.recipe, overrides, kind="train")
+
+
+def device_peak(cfg: BenchConfig, setup: DeviceSetup) -> tuple[float | None, str]:
+    """(peak TFLOP/s of the device, where that number comes from)."""
+    if cfg.peak_tflops:
+        return cfg.peak_tflops, "peak_tflops (config)"
+    gpu = gpu_type_for_device(setup.name) if setup.kind == "gpu" else None
+    if gpu:
+        return GPU_TABLE[gpu].peak_bf16_tflops, f"{gpu} bf16 dense (shared/estimate GPU_TABLE)"
+    return None, "unknown: pass peak_tflops=<TFLOP/s of one device> for MFU"
+
+
+def _free_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+@contextmanager
+def _timed_section(timings: dict[str, float], name: str) -> Iterator[None]:
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        timings[name] = time.perf_counter() - start
+        _free_memory()
+
+
+def bench_data_sections(
+    cfg: BenchConfig, recipe: TrainConfig, setup: DeviceSetup, work: Path
+) -> dict[str, Any]:
+    """Loader and trainer sections over one real MDS dataset written at the preset's shapes."""
+    res, batch = cfg.data_resolution(), cfg.loader_batch()
+    root = work / "dataset"
+    manifest = write_synthetic_dataset(root, get_preset(cfg.preset), res, cfg.loader.rows, cfg.seed)
+    out: dict[str, Any] = {}
+    if cfg.loader.enabled:
+        loader = cfg.loader
+        out["loader"] = bench_loader(
+            root, res, batch, loader.num_workers, loader.passes, work / "loader-cache", cfg.seed
+        )
+        raw, total = raw_read_bytes_per_s(shard_files(root, res), loader.raw_read_repeats)
+        bytes_per_row = manifest.resolutions[res].bytes / manifest.num_samples(res)
+        out["loader"] |= {
+            "resolution": res,
+            "bytes_per_row": bytes_per_row,
+            "bytes_per_s": out["loader"]["images_per_s"] * bytes_per_row,
+            "raw_read_bytes_per_s": raw,
+            "shard_bytes": total,
+        }
+    if cfg.trainer.enabled:
+        t = cfg.trainer
+        out["trainer"] = bench_trainer(recipe, root, res, batch, t.batches, t.warmup, work / "trainer", setup)
+        out["trainer"]["resolution"] = res
+        out["trainer"]["recipe"] = cfg.recipe
+    return out
+
+
+def scale_section(trainer: dict[str, Any]) -> dict[str, Any]:
+    """Counters that must not grow with the cluster (issue 11), from the real Composer run: the share of
+    each batch spent outside the bare step (the U-Net forward/backward, optimizer and the objective's
+    device work; target < 5%), and host read-backs per step (the train job's: 0 between log flushes)."""
+    reads = trainer["host_reads_per_step"]
+    return {
+        "python_side_share": trainer["outside_step_share"],
+        "python_side_share_target": PYTHON_SIDE_TARGET,
+        "host_syncs_per_step": {"train": reads["train"]["median"], "composer": reads["composer"]["median"]},
+        "host_sync_places": reads["composer_places"],
+    }
+
+
+def scale_counters(cfg: BenchConfig, work: Path) -> dict[str, Any]:
+    """The scale section's counters beyond the trainer's (issue 11): S3 requests per step outside checkpoint
+    steps (train/bench/scale_s3.py), and from one 2-rank job the EMA update's bytes, the collectives of an
+    optimizer step at the shipped SD2 settings and checkpoint cost, full vs sharded (train/bench/scale.py)."""
+    scale = cfg.scale
+    out: dict[str, Any] = {}
+    if scale.s3:
+        batches, interval = scale.s3_batches, scale.s3_checkpoint_interval
+        out["s3"] = bench_s3_requests(work / "scale", S3_RUN_BATCH, batches, interval)
+    if scale.collectives:
+        out["comm"] = bench_collectives(scale.ckpt_width, scale.ckpt_depth, scale.ckpt_repeats)
+    return out
+
+
+def bench_encode_section(cfg: BenchConfig, setup: DeviceSetup, work: Path) -> dict[str, Any]:
+    return bench_encode(cfg.encode, cfg.preset, setup, work / "encode", cfg.seed)
+
+
+def run_bench(cfg: BenchConfig) -> dict[str, Any]:
+    """Every section in one process; returns the JSON-able result (see the module docstring)."""
+    with _torch_threads(cfg.threads):
+        return _run_sections(cfg)
+
+
+@contextmanager
+def _torch_threads(threads: int) -> Iterator[None]:
+    """Run with `threads` torch threads (0: leave as is), restoring the caller's count afterwards."""
+    before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _run_sections(cfg: BenchConfig) -> dict[str, Any]:
+    try:
+        setup = resolve_device_setup(cfg.device, cfg.precision, channels_last=False)
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
+    peak, peak_source = device_peak(cfg, setup)
+    timings: dict[str, float] = {}
+    with _scratch(cfg.work_dir) as work:
+        recipe = load_recipe(cfg, setup, work)
+        # The layout is the recipe's train config switch, resolved as the train job resolves it.
+        setup = dataclasses.replace(setup, channels_last=use_channels_last(recipe, setup.kind))
+        with _timed_section(timings, "flops"):
+            flops = count_flops(cfg.preset, sorted({*cfg.step.resolutions, *cfg.step.text_store_at()}))
+        with _timed_section(timings, "train"):
+            train = bench_train_steps(recipe, setup, cfg.step, flops, peak, cfg.seed)
+        result: dict[str, Any] = {
+            "device": setup.name,
+            "device_type": setup.kind,
+            "num_devices": 1,  # per-device numbers from one device, no gradient all-reduce
+            "precision": setup.precision,
+            "channels_last": setup.channels_last,
+            "preset": cfg.preset,
+            "recipe": cfg.recipe,
+            "peak_tflops": peak,
+            "peak_source": peak_source,
+            "flops": {str(r): f.to_json() for r, f in flops.items()},
+            "train": train,
+        }
+        if cfg.step.text_store_at():
+            with _timed_section(timings, "text_store"):
+                result["text_store"] = bench_text_store(recipe, setup, cfg.step, flops, cfg.seed)
+        if cfg.loader.enabled or cfg.trainer.enabled:
+            with _timed_section(timings, "data"):
+                result |= bench_data_sections(cfg, recipe, setup, work)
+        if cfg.encode.enabled:
+            with _timed_section(timings, "encode"):
+                result["encode"] = bench_encode_section(cfg, setup, work)
+        counters: dict[str, Any] = {}
+        if cfg.scale.s3 or cfg.scale.collectives:
+            with _timed_section(timings, "scale"):
+                counters = scale_counters(cfg, work)
+    scale = scale_section(result["trainer"]) if "trainer" in result else {}
+    if scale or counters:
+        result["scale"] = scale | counters
+    result["findings"] = findings(result)
+    result["seconds_by_section"] = timings
+    result["created"] = datetime.now(UTC).isoformat(timespec="seconds")
+    result["config"] = config_to_dict(cfg)
+    return result
+
+
+@contextmanager
+def _scratch(work_dir: str) -> Iterator[Path]:
+    if work_dir:
+        Path(work_dir).mkdir(parents=True, exist_ok=True)
+        yield Path(work_dir)
+        return
+    with tempfile.TemporaryDirectory(prefix="sd-bench-") as tmp:
+        yield Path(tmp)

@@ -1,0 +1,43 @@
+"""An MDS shard reader that decodes only the columns training reads.
+
+Streaming's MDSReader decodes every column of a row, including `key` and `caption`, which training never
+uses: a caption with non-UTF-8 bytes in a stored shard would stop the job with a UnicodeDecodeError deep in
+a dataloader worker. Columns outside TRAIN_COLUMNS are skipped, never decoded.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from streaming.base.format.mds.encodings import mds_decode
+from streaming.base.format.mds.reader import MDSReader
+
+from shared.contract import TRAIN_COLUMNS
+
+_SIZE_PREFIX = np.dtype("<u4")  # a variable-size MDS value is preceded by its byte count
+
+
+class TrainColumnsReader(MDSReader):
+    """MDSReader whose rows hold only TRAIN_COLUMNS (the same byte layout, fewer columns decoded)."""
+
+    def decode_sample(self, data: bytes) -> dict[str, Any]:
+        sizes, idx = [], 0
+        for size in self.column_sizes:
+            if size is None:
+                size = int(np.frombuffer(data[idx : idx + _SIZE_PREFIX.itemsize], _SIZE_PREFIX)[0])
+                idx += _SIZE_PREFIX.itemsize
+            sizes.append(size)
+        sample = {}
+        for name, encoding, size in zip(self.column_names, self.column_encodings, sizes, strict=True):
+            if name in TRAIN_COLUMNS:
+                sample[name] = mds_decode(encoding, data[idx : idx + size])
+            idx += size
+        return sample
+
+
+def decode_train_columns_only(shards: list[Any]) -> None:
+    """Make each plain MDSReader of a dataset skip the columns training never reads."""
+    for shard in shards:
+        if type(shard) is MDSReader:
+            shard.__class__ = TrainColumnsReader

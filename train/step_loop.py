@@ -1,0 +1,135 @@
+"""The training step without per-step host-device syncs or per-step collectives of bookkeeping.
+
+Composer 0.32's loop reads device tensors back to the host four times per step, each after a collective
+that only matters for data or optimizers this job does not have. Each read waits for the device to finish
+everything queued, so the host cannot queue the next step while this one runs, and on 256 GPUs each
+collective is one more latency-bound round per step. `LeanTrainer` drops three of them:
+- the loss stays on the device: `StepLossLog` keeps each step's loss as a device tensor and logs the
+  buffered steps with one all-reduce and one read every `log.console_interval` batches, before every
+  checkpoint (ahead of Composer's CheckpointSaver in the same event, so metrics.jsonl holds every step a
+  checkpoint covers) and at the end;
+- the loss, again, as the return value of an optimizer-step closure (`.item()`): closures serve
+  optimizers that re-evaluate the loss (LBFGS); AdamW evaluates it once either way, so the step runs
+  without one;
+- "has any rank run out of data" (an all-reduce + `.item()` before every batch) and the sample count /
+  batch time (`_accumulate_time_across_ranks`: an all-reduce, a broadcast, `.item()`): every rank takes
+  the same number of equal per-rank batches (Streaming partitions the epoch evenly; the loader drops the
+  last partial batch), so the counts are the per-rank batch times the world size, and the batch time is
+  this rank's own clock. Evaluation and prediction keep Composer's own loop.
+
+What Composer still does per step: one all-reduce and `.item()` of the microbatch sample count at the
+start of `_train_microbatches` (counted by `make bench`, scale section, and tests/train/test_step_syncs.py).
+"""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from composer import Trainer
+from composer.core import Callback, Event, State, TrainerMode
+from composer.loggers import Logger
+from composer.utils import dist
+from composer.utils.misc import create_interval_scheduler
+
+from shared.contract import LATENT_MEAN
+from train.config import time_count
+
+LOSS_METRIC = "loss/train/total"  # Composer's name; metrics.jsonl calls it "loss"
+
+
+class LeanTrainer(Trainer):
+    """Composer's Trainer without its per-step loss read-back and time all-reduce (see module doc)."""
+
+    def _train_batch(self, use_grad_scaling: bool) -> Any:
+        super()._train_batch(use_grad_scaling)
+        # None is Composer's "no loss to log" (its gradient-scaling failure path): no all-reduce, no
+        # `.cpu().item()`. StepLossLog logs the loss instead.
+        return None
+
+    def _accumulate_time_across_ranks(
+        self, num_samples: int | float, num_tokens: int, batch_time: datetime.timedelta
+    ) -> tuple[int, int, datetime.timedelta]:
+        world = dist.get_world_size()
+        return int(num_samples) * world, int(num_tokens) * world, batch_time
+
+    def _use_closures(self) -> bool:
+        return False
+
+    def _iter_dataloader(self, trainer_mode: TrainerMode) -> Iterator[Any]:
+        if trainer_mode != TrainerMode.TRAIN:
+            yield from super()._iter_dataloader(trainer_mode)
+            return
+        loader = self.state.dataloader
+        assert loader is not None, "the dataloader is set in __init__() or fit()"
+        length = self.state.dataloader_len
+        batches = iter(loader) if length is None else itertools.islice(loader, int(length))
+        while True:
+            self.engine.run_event(Event.BEFORE_DATALOADER)
+            try:
+                batch = next(batches)
+            except StopIteration:
+                # As Composer: close the dataloader marker that BEFORE_DATALOADER opened.
+                self.engine.run_marker_only_event(Event.AFTER_DATALOADER)
+                return
+            yield batch
+
+
+def microbatch_size(batch: Any) -> int:
+    """Samples in a microbatch, from its shape (a host-side number: no sync)."""
+    if isinstance(batch, dict) and LATENT_MEAN in batch:
+        return int(batch[LATENT_MEAN].shape[0])
+    return 1
+
+
+class StepLossLog(Callback):
+    """Each optimizer step's loss (the sample-weighted mean over its microbatches, averaged over ranks, as
+    Composer's `loss/train/total`), kept on the device and logged in bursts (see module doc)."""
+
+    def __init__(self, log_interval: str, save_interval: str):
+        self.log_every = time_count(log_interval)
+        self.save_due = create_interval_scheduler(save_interval, include_end_of_training=True)
+        self.step_sum: torch.Tensor | None = None  # this step's sum of loss * microbatch size
+        self.step_samples = 0
+        self.steps: list[int] = []
+        self.losses: list[torch.Tensor] = []
+
+    def after_loss(self, state: State, logger: Logger) -> None:
+        if not isinstance(state.loss, torch.Tensor):
+            return
+        size = microbatch_size(state.batch)
+        weighted = state.loss.detach().float() * size
+        self.step_sum = weighted if self.step_sum is None else self.step_sum + weighted
+        self.step_samples += size
+
+    def batch_end(self, state: State, logger: Logger) -> None:
+        if self.step_sum is not None:
+            self.steps.append(int(state.timestamp.batch))
+            self.losses.append(self.step_sum / self.step_samples)
+            self.step_sum, self.step_samples = None, 0
+        if int(state.timestamp.batch) % self.log_every == 0:
+            self.flush(logger)
+
+    def batch_checkpoint(self, state: State, logger: Logger) -> None:
+        if self.save_due(state, Event.BATCH_CHECKPOINT):
+            self.flush(logger)
+
+    def epoch_checkpoint(self, state: State, logger: Logger) -> None:
+        self.flush(logger)
+
+    def fit_end(self, state: State, logger: Logger) -> None:
+        self.flush(logger)
+
+    def flush(self, logger: Logger) -> None:
+        """Log every buffered step: one all-reduce and one device-to-host read for all of them."""
+        if not self.losses:
+            return
+        values = torch.stack(self.losses).reshape(-1)
+        dist.all_reduce(values, reduce_operation="SUM")
+        means = (values / dist.get_world_size()).tolist()
+        for step, value in zip(self.steps, means, strict=True):
+            logger.log_metrics({LOSS_METRIC: value}, step=step)
+        self.steps, self.losses = [], []

@@ -1,0 +1,153 @@
+"""What Streaming shares between processes on one host, made safe: its cache folders and its shm prefixes.
+
+- two live StreamingDatasets may not share a local folder, and a process killed with SIGKILL leaves its
+  shared-memory registration of that folder behind, which makes the restarted run fail with "Reused local
+  directory". We hold an flock on the folder for the life of the process (the kernel drops it when the
+  process dies), and whoever gets the lock removes registrations of *that* folder only.
+- Streaming picks its shared-memory prefix by check-then-create, so two datasets built at the same moment
+  on one host collide (FileExistsError '/0000NN_locals'; mosaicml/streaming #884, #901): construction
+  holds a per-user host lock (`streaming_prefix_lock`).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from shared import storage
+
+log = logging.getLogger(__name__)
+
+_LOCK_NAME = ".sd-pretrain.lock"
+_PREFIX_LOCK_NAME = "streaming-shm-prefix.lock"
+PREFIX_LOCK_TIMEOUT_S = 600.0  # another job's dataset construction takes seconds; this only breaks a deadlock
+_PREFIX_LOCK_POLL_S = 0.05
+_held_locks: dict[str, int] = {}  # local dir -> open fd holding its flock (released when the process exits)
+
+
+class DataError(ValueError):
+    """The dataset cannot be streamed as configured; the message names the fix."""
+
+
+# ------------------------------------------------------------------------------- local dir ownership
+def claim_local_dir(local: str) -> None:
+    """Lock `local` for this process and clear stale Streaming registrations of it left by a killed run.
+
+    Only the node's local leader claims (ranks on a node share the folder by design). Raises when another
+    live process holds the folder.
+    """
+    if int(os.environ.get("LOCAL_RANK", "0")) != 0 or local in _held_locks:
+        return
+    Path(local).mkdir(parents=True, exist_ok=True)
+    fd = os.open(os.path.join(local, _LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise DataError(
+            f"another process is streaming through {local}: two live StreamingDatasets may not share a "
+            "cache folder; give this run its own data.cache_dir"
+        ) from None
+    _held_locks[local] = fd
+    removed = remove_stale_registrations(local)
+    if removed:
+        log.warning("removed %d stale Streaming shared-memory registration(s) of %s", removed, local)
+
+
+def remove_stale_registrations(local: str) -> int:
+    """Unlink Streaming shared memory that registered `local` (only called while we hold its lock)."""
+    # Streaming 0.13 internals: prefixes are scanned from 0 until a free one, LOCALS lists each prefix's
+    # local folders. Any prefix that names our folder belongs to a dead process, since we hold the lock.
+    from streaming.base.constant import BARRIER_FILELOCK, CACHE_FILELOCK, LOCALS, SHM_TO_CLEAN
+    from streaming.base.shared.prefix import _get_path, _unpack_locals
+
+    removed = 0
+    target = os.path.abspath(local)
+    for prefix_int in range(1 << 16):
+        locals_shm = _attach_shm(_get_path(prefix_int, LOCALS))
+        locks = [
+            os.path.join(tempfile.gettempdir(), _get_path(prefix_int, n))
+            for n in (BARRIER_FILELOCK, CACHE_FILELOCK)
+        ]
+        if locals_shm is None:
+            if any(os.path.exists(p) for p in locks):
+                continue
+            break
+        their_locals, _ = _unpack_locals(bytes(locals_shm.buf))
+        locals_shm.close()
+        if target not in (os.path.abspath(p) for p in their_locals):
+            continue
+        for name in SHM_TO_CLEAN:
+            removed += _unlink_shm(_get_path(prefix_int, name))
+        for path in locks:
+            Path(path).unlink(missing_ok=True)
+    return removed
+
+
+def _attach_shm(name: str) -> Any:
+    from multiprocessing import shared_memory
+
+    try:
+        return shared_memory.SharedMemory(name=name, create=False)
+    except (FileNotFoundError, PermissionError):
+        return None
+
+
+def _unlink_shm(name: str) -> int:
+    shm = _attach_shm(name)
+    if shm is None:
+        return 0
+    shm.close()
+    shm.unlink()
+    return 1
+
+
+@contextmanager
+def streaming_prefix_lock() -> Iterator[None]:
+    """Serialise StreamingDataset construction among this user's processes on this host.
+
+    Streaming's `get_shm_prefix` scans for the first free shared-memory prefix, meets the other ranks in a
+    barrier, then creates it: two datasets built at once pick the same prefix and one dies with
+    FileExistsError. The node's local leader holds the lock over the whole construction; under
+    torch.distributed every rank waits in a barrier until its leader holds it, so the other local ranks
+    scan only while no other job can register. The lock file is per user (a shared one could be held by
+    anyone to stall us); jobs of different users on one host are not serialised.
+    """
+    import torch.distributed as torch_dist
+
+    distributed = torch_dist.is_available() and torch_dist.is_initialized()
+    fd = _acquire_prefix_lock() if int(os.environ.get("LOCAL_RANK", "0")) == 0 else None
+    try:
+        if distributed:
+            torch_dist.barrier()
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)  # closing the descriptor drops the flock
+
+
+def _acquire_prefix_lock() -> int:
+    path = (
+        storage.private_temp_dir("sd-pretrain-locks", "TMPDIR (the environment variable)") / _PREFIX_LOCK_NAME
+    )
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    deadline = time.monotonic() + PREFIX_LOCK_TIMEOUT_S
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                os.close(fd)
+                raise DataError(
+                    f"waited {PREFIX_LOCK_TIMEOUT_S:.0f} s for {path}, held by another of your processes "
+                    "building a StreamingDataset on this host; if that process is stuck, stop it"
+                ) from None
+            time.sleep(_PREFIX_LOCK_POLL_S)

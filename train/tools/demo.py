@@ -1,0 +1,168 @@
+"""`make demo` (`python -m train demo`): the whole product on the bundled sample data, on CPU, in minutes.
+
+1. build the sample data (synthetic coloured shapes, real img2dataset webdataset tars);
+2. encode it with the tiny preset (the real encode job, in-process);
+3. train the tiny U-Net on the 64 px latents (the real Composer train job, in-process);
+4. export the EMA weights to a diffusers folder and generate from it with `StableDiffusionPipeline`;
+5. plot the loss curve; print where everything went.
+
+Rerunning is cheap: encode finds its output up to date and training resumes from its last checkpoint
+(already finished, so it stops at once); pass `--fresh` to start over.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from shared.config import load_config
+
+DEMO_PROMPTS = (
+    "a red circle on a blue background",
+    "a yellow square on a green background",
+    "a white triangle on a black background",
+    "a blue circle on a yellow background",
+)
+IMAGES_PER_PROMPT = 3
+SAMPLE_STEPS = 25
+GUIDANCE = 4.0
+LOSS_SMOOTHING = 20  # steps in the moving average drawn over the raw loss
+
+
+@dataclass
+class DemoPaths:
+    root: Path
+
+    @property
+    def data(self) -> Path:
+        return self.root / "sample-data"
+
+    @property
+    def encoded(self) -> Path:
+        return self.root / "encoded"
+
+    @property
+    def train(self) -> Path:
+        return self.root / "train"
+
+    @property
+    def pipeline(self) -> Path:
+        return self.root / "pipeline"
+
+    @property
+    def samples(self) -> Path:
+        return self.root / "samples.png"
+
+    @property
+    def loss(self) -> Path:
+        return self.root / "loss.png"
+
+
+def build_data(paths: DemoPaths) -> Path:
+    from encode.sample_data import build_webdataset
+
+    target = paths.data / "webdataset"
+    if not any(target.glob("*.tar")):
+        build_webdataset(target)
+    return target
+
+
+def encode_data(paths: DemoPaths, source: Path) -> None:
+    from encode.config import EncodeConfig
+    from encode.encoders import load_encoders
+    from encode.finalize import publish
+    from encode.pipeline import RankInfo, run_rank
+    from encode.report import print_publish, print_rank
+
+    start = time.perf_counter()
+    cfg = load_config(
+        EncodeConfig, "sample", [f"source.uri={source}", f"output.uri={paths.encoded}"], kind="datasets"
+    )
+    encoders = load_encoders(cfg)
+    print_rank(run_rank(cfg, RankInfo(0, 1), encoders))
+    print_publish(publish(cfg, encoders), cfg, time.perf_counter() - start)
+
+
+def train_model(paths: DemoPaths, max_duration: str | None) -> None:
+    from train.config import TrainConfig
+    from train.trainer import fit
+
+    overrides = [f"data.uri={paths.encoded}", f"save_folder={paths.train}"]
+    if max_duration:
+        overrides.append(f"max_duration={max_duration}")
+    fit(load_config(TrainConfig, "tiny", overrides, kind="train"))
+
+
+def export_and_generate(paths: DemoPaths) -> None:
+    import torch
+    from diffusers import StableDiffusionPipeline
+
+    from train.export import export_pipeline
+    from train.samples import save_grid
+
+    export_pipeline(str(paths.train), str(paths.pipeline))
+    # low_cpu_mem_usage=False: the tiny model needs no `accelerate` (not a dependency), and says so quietly
+    pipe = StableDiffusionPipeline.from_pretrained(
+        str(paths.pipeline), local_files_only=True, low_cpu_mem_usage=False
+    )
+    pipe.set_progress_bar_config(disable=True)
+    generator = torch.Generator().manual_seed(0)
+    images = pipe(
+        [p for p in DEMO_PROMPTS for _ in range(IMAGES_PER_PROMPT)],
+        num_inference_steps=SAMPLE_STEPS,
+        guidance_scale=GUIDANCE,
+        generator=generator,
+        output_type="pt",
+    ).images
+    save_grid((images * 255).round().to(torch.uint8), str(paths.samples), columns=IMAGES_PER_PROMPT)
+
+
+def plot_loss(paths: DemoPaths) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    rows = [json.loads(line) for line in (paths.train / "metrics.jsonl").read_text().splitlines() if line]
+    steps = np.array([r["step"] for r in rows if "loss" in r])
+    loss = np.array([r["loss"] for r in rows if "loss" in r])
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(steps, loss, alpha=0.3, label="loss")
+    if len(loss) >= LOSS_SMOOTHING:
+        smooth = np.convolve(loss, np.ones(LOSS_SMOOTHING) / LOSS_SMOOTHING, mode="valid")
+        ax.plot(steps[LOSS_SMOOTHING - 1 :], smooth, label=f"{LOSS_SMOOTHING}-step mean")
+    ax.set(xlabel="optimizer step", ylabel="denoising MSE", title="tiny U-Net on the sample data")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(paths.loss, dpi=100)
+    plt.close(fig)
+
+
+def run_demo(out: Path, max_duration: str | None = None, fresh: bool = False) -> DemoPaths:
+    """Every step of the demo into `out`; prints progress and where everything went."""
+    paths = DemoPaths(Path(out))
+    if fresh:
+        shutil.rmtree(paths.root, ignore_errors=True)
+    start = time.perf_counter()
+    step = lambda name: print(f"\n== {name} ({time.perf_counter() - start:.0f} s)", flush=True)  # noqa: E731
+    step("1/4 sample data")
+    source = build_data(paths)
+    step("2/4 encode (tiny preset, 64 + 128 px)")
+    encode_data(paths, source)
+    step("3/4 train (tiny U-Net, 64 px latents)")
+    train_model(paths, max_duration)
+    step("4/4 export + generate with diffusers' StableDiffusionPipeline")
+    export_and_generate(paths)
+    plot_loss(paths)
+    print(f"\ndone in {time.perf_counter() - start:.0f} s")
+    print(f"  sample data      {paths.data}")
+    print(f"  encoded dataset  {paths.encoded}  (manifest.json, metrics.json, MDS shards per resolution)")
+    print(f"  checkpoints      {paths.train}  (metrics.jsonl, logs/, samples/)")
+    print(f"  diffusers model  {paths.pipeline}  (StableDiffusionPipeline.from_pretrained)")
+    print(f"  generated grid   {paths.samples}  (rows: {'; '.join(DEMO_PROMPTS)})")
+    print(f"  loss curve       {paths.loss}")
+    return paths
