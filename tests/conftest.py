@@ -8,6 +8,14 @@ session, which points both `shared.storage` and MosaicML Streaming (it reads the
 
 from __future__ import annotations
 
+import os
+
+# Before anything loads torch (libgomp reads this once, at load). OpenMP threads that spin-wait for work
+# starve each other when two suites (or a suite and a job) share 2 cores: the 600-step learning test took
+# >900 s with two concurrent suites instead of 121 s alone; with passive waiting two concurrent demo
+# trainings took 160 s each. Subprocesses the tests start inherit it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import re
 import shutil
 import tempfile
