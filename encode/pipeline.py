@@ -258,8 +258,11 @@ def run_rank(
     )
     todo = [p for p in mine if not p.is_done]
     summary = RankSummary(rank.rank, rank.world_size, len(partitions), len(mine), len(mine) - len(todo))
+    # All of this rank's partitions, done ones too: a kill between a partition's done-marker and the
+    # removal of its staging folder (the marker is written last, the folder removed after it) leaves the
+    # folder of a partition that is already done.
+    remove_stale_staging(layout, [p.partition.id for p in mine])
     if todo:
-        remove_stale_staging(layout, [p.partition.id for p in todo])
         log.info(
             "rank %d/%d: %d of its %d partitions to encode", rank.rank, rank.world_size, len(todo), len(mine)
         )

@@ -81,3 +81,22 @@ def test_encoded_shards_record_a_hash_that_train_verifies(tmp_path: Path) -> Non
         assert raw["hashes"][contract.SHARD_HASH] == get_hash(contract.SHARD_HASH, data)
     data_cfg = DataConfig(uri=str(tmp_path / "out"), resolution=RES, cache_dir=str(tmp_path / "cache"))
     assert pin_version(data_cfg, read_dataset_manifest(data_cfg)).hashed
+
+
+def test_rerun_removes_staging_left_by_a_kill_after_the_done_marker(tmp_path: Path) -> None:
+    """A kill between a partition's done-marker and the removal of its staging folder leaves the folder of
+    a partition that is already done: the rerun (with nothing left to encode) removes it too."""
+    build_webdataset(tmp_path / "wds", shards=1, per_shard=4, seed=5)
+    overrides = [
+        f"source.uri={tmp_path / 'wds'}", f"output.uri={tmp_path / 'out'}", "workers=1", "progress=false",
+        f"filter.min_size={RES}", f"transform.resolutions=[{RES}]",
+    ]  # fmt: skip
+    cfg = load_config(EncodeConfig, "sample", overrides, kind="datasets")
+    encoders = load_encoders(cfg)
+    run_rank(cfg, RankInfo(0, 1), encoders)
+    layout = Layout(str(tmp_path / "out"))
+    [marker] = Path(layout.parts_dir()).glob("*/*.json")
+    left = staging_root(layout) / f"{staging_prefix(layout, marker.parent.name)}deadbeef"
+    (left / str(RES)).mkdir(parents=True)
+    run_rank(cfg, RankInfo(0, 1), encoders)
+    assert not left.exists()
