@@ -24,6 +24,15 @@ from shared.manifest import Layout
 RES = 32
 
 
+def small_encode_config(tmp_path: Path) -> EncodeConfig:
+    """tmp_path/wds encoded to tmp_path/out at one small resolution, one worker."""
+    overrides = [
+        f"source.uri={tmp_path / 'wds'}", f"output.uri={tmp_path / 'out'}", "workers=1", "progress=false",
+        f"filter.min_size={RES}", f"transform.resolutions=[{RES}]",
+    ]  # fmt: skip
+    return load_config(EncodeConfig, "sample", overrides, kind="datasets")
+
+
 def test_s3_staging_is_private_to_the_user(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(storage.tempfile, "gettempdir", lambda: str(tmp_path))
     root = staging_root(Layout("s3://bucket/data"))
@@ -64,11 +73,7 @@ def test_encoded_shards_record_a_hash_that_train_verifies(tmp_path: Path) -> Non
     from train.data import pin_version, read_dataset_manifest
 
     build_webdataset(tmp_path / "wds", shards=1, per_shard=8, seed=5)
-    overrides = [
-        f"source.uri={tmp_path / 'wds'}", f"output.uri={tmp_path / 'out'}", "workers=1", "progress=false",
-        f"filter.min_size={RES}", f"transform.resolutions=[{RES}]",
-    ]  # fmt: skip
-    cfg = load_config(EncodeConfig, "sample", overrides, kind="datasets")
+    cfg = small_encode_config(tmp_path)
     encoders = load_encoders(cfg)
     run_rank(cfg, RankInfo(0, 1), encoders)
     publish(cfg, encoders)
@@ -87,11 +92,7 @@ def test_rerun_removes_staging_left_by_a_kill_after_the_done_marker(tmp_path: Pa
     """A kill between a partition's done-marker and the removal of its staging folder leaves the folder of
     a partition that is already done: the rerun (with nothing left to encode) removes it too."""
     build_webdataset(tmp_path / "wds", shards=1, per_shard=4, seed=5)
-    overrides = [
-        f"source.uri={tmp_path / 'wds'}", f"output.uri={tmp_path / 'out'}", "workers=1", "progress=false",
-        f"filter.min_size={RES}", f"transform.resolutions=[{RES}]",
-    ]  # fmt: skip
-    cfg = load_config(EncodeConfig, "sample", overrides, kind="datasets")
+    cfg = small_encode_config(tmp_path)
     encoders = load_encoders(cfg)
     run_rank(cfg, RankInfo(0, 1), encoders)
     layout = Layout(str(tmp_path / "out"))
