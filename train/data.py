@@ -40,8 +40,10 @@ from shared.contract import (
     check_index,
 )
 from shared.manifest import DatasetManifest, Layout, fingerprint, read_manifest
+from train import packing
 from train.config import DataConfig, ModelConfig
 from train.draws import SAMPLE_SEED, draw_columns
+from train.packing import collate_packed
 from train.streaming_host import DataError, claim_local_dir, streaming_prefix_lock
 
 log = logging.getLogger(__name__)
@@ -285,22 +287,34 @@ def _new_dataset(
 def build_dataloader(
     cfg: DataConfig, pinned: PinnedData, per_rank_batch: int, seed: int, num_timesteps: int = NUM_TIMESTEPS
 ) -> Any:
-    """A StreamingDataLoader (Composer checkpoints its dataset's position, so resumes are mid-epoch exact)."""
-    from streaming import StreamingDataLoader
-
+    """A StreamingDataLoader (Composer checkpoints its dataset's position, so resumes are mid-epoch exact)
+    whose batches are packed into one buffer each (train/packing.py; `packing.unpack` gives the columns)."""
     dataset = build_dataset(cfg, pinned, per_rank_batch, seed, num_timesteps)
     check_one_batch_per_epoch(len(dataset), per_rank_batch, cfg)
     extra: dict[str, Any] = {}
     if cfg.num_workers > 0:
         extra = {"prefetch_factor": cfg.prefetch_factor, "persistent_workers": True}
-    return StreamingDataLoader(
+    return _packed_loader_class()(
         dataset,
         batch_size=per_rank_batch,
         num_workers=cfg.num_workers,
         drop_last=True,
         pin_memory=_cuda_available(),
+        collate_fn=collate_packed,
         **extra,
     )
+
+
+def _packed_loader_class() -> type:
+    from streaming import StreamingDataLoader
+
+    class PackedStreamingDataLoader(StreamingDataLoader):
+        def _get_batch_size(self, batch: Any) -> int:
+            # Streaming counts a dict batch by its first value's length: the packed buffer's byte count.
+            # The count is the resume position Composer checkpoints, so it must be samples.
+            return packing.num_samples(batch)
+
+    return PackedStreamingDataLoader
 
 
 def check_one_batch_per_epoch(rank_samples: int, per_rank_batch: int, cfg: DataConfig) -> None:

@@ -74,11 +74,14 @@ class ShardedEMAStore(NamedEMAStore):
         return pairs
 
     def lerp(self, model: torch.nn.Module, smoothing: float) -> None:
+        """Each rank updates its own shards in place; the pairing is kept as in `NamedEMAStore`."""
         with torch.no_grad():
-            pairs = [(s, t.detach()) for t, s in self.pairs(model) if t.is_floating_point() and t.numel()]
-            if pairs:
-                averages, current = zip(*pairs, strict=True)
-                torch._foreach_lerp_(list(averages), list(current), 1.0 - smoothing)
+            if self._lerp_plan is None or self._lerp_plan.model is not model:
+                self._lerp_plan = self.build_lerp_plan(model)
+            plan = self._lerp_plan
+            if any(a.shape != b.shape for a, b in zip(plan.averages, plan.current, strict=True)):
+                self.pairs(model)  # not sharded now (see `pairs`): raises, naming the shapes
+            plan.run(smoothing)
 
     def swap_params(self, model: torch.nn.Module) -> None:
         with torch.no_grad():

@@ -3,7 +3,7 @@
 Composer 0.32's loop reads device tensors back to the host four times per step, each after a collective
 that only matters for data or optimizers this job does not have. Each read waits for the device to finish
 everything queued, so the host cannot queue the next step while this one runs, and on 256 GPUs each
-collective is one more latency-bound round per step. `LeanTrainer` drops three of them:
+collective is one more latency-bound round per step. `LeanTrainer` drops all four:
 - the loss stays on the device: `StepLossLog` keeps each step's loss as a device tensor and logs the
   buffered steps with one all-reduce and one read every `log.console_interval` batches, before every
   checkpoint (ahead of Composer's CheckpointSaver in the same event, so metrics.jsonl holds every step a
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import datetime
 import itertools
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -58,6 +58,38 @@ class LeanTrainer(Trainer):
 
     def _use_closures(self) -> bool:
         return False
+
+    def _train_microbatches(
+        self, microbatches: Sequence[Any], total_loss_dict: dict[str, torch.Tensor], ddp_sync: bool = True
+    ) -> torch.Tensor:
+        """Composer's microbatch loop, with the step's sample count taken from this rank's batch (see the
+        module doc) instead of an all-reduce and a read-back."""
+        spec = self._train_data_spec
+        assert spec is not None and self.state.scaler is not None, "set in __init__() or fit()"
+        if (
+            self.state.auto_microbatching
+            or self.accumulate_train_batch_on_tokens
+            or not ddp_sync
+            or self._use_grad_scaling(self.state.precision, self.state.scaler)
+        ):
+            return super()._train_microbatches(microbatches, total_loss_dict, ddp_sync)
+        self.engine.run_event(Event.BEFORE_TRAIN_BATCH)
+        for optimizer in self.state.optimizers:
+            optimizer.zero_grad(set_to_none=True)
+        # Composer's count (shapes, on the host); the same on every rank, so no all-reduce
+        samples = sum(spec.get_num_samples_in_batch(batch) for batch in microbatches)
+        step_batch = self.state.batch  # the microbatch loop overwrites it; Composer restores it after
+        for index, microbatch in enumerate(microbatches):
+            self.state.batch = spec.microbatch_transforms(self.state.device.batch_to_device(microbatch))
+            final = index + 1 == len(microbatches)
+            for name, loss in self._train_microbatch(False, samples, final).items():
+                key = f"loss/train/{name}"
+                if key not in total_loss_dict:
+                    total_loss_dict[key] = self.state.device.tensor_to_device(torch.zeros(size=(1,)))
+                total_loss_dict[key] += loss
+        self.state.batch = step_batch
+        self.engine.run_event(Event.AFTER_TRAIN_BATCH)
+        return total_loss_dict["loss/train/total"]
 
     def _iter_dataloader(self, trainer_mode: TrainerMode) -> Iterator[Any]:
         if trainer_mode != TrainerMode.TRAIN:

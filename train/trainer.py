@@ -38,6 +38,7 @@ from train.data import PinnedData, build_dataloader, pin_version, read_dataset_m
 from train.diffusion import DiffusionModel
 from train.model import assemble_model, build_unet  # noqa: F401  (build_unet: re-exported for callers)
 from train.online_text import online_text_for
+from train.packing import packed_data_spec
 
 if TYPE_CHECKING:
     from composer import Trainer
@@ -201,16 +202,13 @@ def build_schedulers(cfg: TrainConfig) -> list[Any]:
 
 
 def build_algorithms(ctx: RunContext) -> list[Any]:
-    from composer.algorithms import GradientClipping
-
+    from train.clipping import GradNormClipping
     from train.ema import build_ema
 
     cfg = ctx.cfg
     algorithms: list[Any] = []
     if cfg.optimizer.grad_clip_norm is not None:
-        algorithms.append(
-            GradientClipping(clipping_type="norm", clipping_threshold=cfg.optimizer.grad_clip_norm)
-        )
+        algorithms.append(GradNormClipping(cfg.optimizer.grad_clip_norm))
     if cfg.ema.enabled:
         handoff = ctx.start.weights_only and not ctx.start.resuming
         algorithms.append(
@@ -358,7 +356,7 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
     with composer_loads_safely(ctx.start.load_path, checkpoint_format) as load_path:
         return LeanTrainer(
             model=model,
-            train_dataloader=dataloader,
+            train_dataloader=packed_data_spec(dataloader),
             max_duration=cfg.max_duration,
             optimizers=build_optimizer(cfg, model),
             schedulers=build_schedulers(cfg),

@@ -22,8 +22,10 @@ def test_scale_section_counts_host_syncs_and_python_share(tmp_path: Path) -> Non
     overrides = [*MINIMAL, *ONLY_TRAINER, f"out_dir={tmp_path / 'out'}", f"work_dir={tmp_path / 'work'}"]
     result = run_bench(load_bench_config("quick", overrides))
     scale = result["scale"]
-    # The train job reads nothing back between log flushes; Composer's loop keeps one read per step.
-    assert scale["host_syncs_per_step"] == {"train": 0, "composer": 1}
-    assert scale["host_sync_places"] == ["composer/trainer/trainer.py:_train_microbatches"]
+    # Neither the train job nor Composer's loop reads anything back between log flushes.
+    assert scale["host_syncs_per_step"] == {"train": 0, "composer": 0}
+    assert scale["host_sync_places"] == []
     assert 0 <= scale["python_side_share"] < 1 and scale["python_side_share_target"] == 0.05
+    trainer = result["trainer"]  # the step work is timed inside Composer's batch, and is most of it
+    assert 0 < trainer["in_step_s"] < trainer["wall_per_batch_s"]
     assert any(note.startswith("scale: ") for note in findings(result))

@@ -27,6 +27,7 @@ from tests.train.conftest import single_threaded_torch, tiny_config
 from train.data import build_dataloader
 from train.draws import DRAW_COIN
 from train.online_text import online_text_for
+from train.packing import unpack
 from train.trainer import build_model, fit, prepare_run
 
 RES = 64
@@ -76,7 +77,7 @@ def first_batch_outputs(
     ctx = prepare_run(cfg)
     model = build_model(ctx)
     loader = build_dataloader(cfg.data, ctx.pinned, ctx.batching.per_rank_batch, cfg.seed)
-    batch = next(iter(loader))
+    batch = unpack(next(iter(loader)))
     with torch.no_grad():
         text = model.objective.condition(batch, batch[DRAW_COIN])
         loss = model.loss(model(batch), batch)

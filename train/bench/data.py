@@ -1,5 +1,5 @@
-"""Data side of `make bench`: a real MDS dataset on disk, train's real loader over it, and the real Composer
-trainer on it compared with the bare step.
+"""Data side of `make bench`: a real MDS dataset on disk and train's real loader over it (the Composer
+trainer over the same dataset: train/bench/trainer_run.py).
 
 The dataset is written the way encode lays out its output (shared/manifest.py): rows at the preset's exact
 shapes through `streaming.MDSWriter` + `shared.contract`, one partition, a merged index per version and a
@@ -12,26 +12,19 @@ import gc
 import json
 import statistics
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-from shared.contract import LATENT_MEAN, Shapes, make_row, mds_columns
+from shared.contract import Shapes, make_row, mds_columns
 from shared.manifest import INDEX_NAME, DatasetManifest, Layout, ResolutionInfo, fingerprint
 from shared.presets import Preset
-from shared.runtime import DeviceSetup
-from train.bench.step import train_step
-from train.bench.syncs import Readbacks, count_readbacks, step_tracker
-from train.config import DataConfig, TrainConfig
+from train import packing
+from train.config import DataConfig
 from train.data import build_dataloader, pin_version, read_dataset_manifest
-from train.trainer import build_trainer
-
-if TYPE_CHECKING:
-    from composer import Trainer
 
 VERSION = "bench"
 PARTITION = "part00000-bench"
@@ -151,7 +144,7 @@ def _one_pass(loader: Any) -> LoaderRun:
         if first is None:  # worker start-up and the first shard's copy: reported apart, not in the rate
             first = last
             continue
-        samples += int(batch[LATENT_MEAN].shape[0])
+        samples += packing.num_samples(batch)
     if first is None or last is None:
         raise ValueError("the bench dataset yielded no batch: raise loader.rows above the batch size")
     return LoaderRun(first - start, samples, last - first)
@@ -175,207 +168,4 @@ def bench_loader(
         "first_batch_s": runs[0].first_batch_s,
         "batch_size": batch_size,
         "num_workers": num_workers,
-    }
-
-
-# ----------------------------------------------------------------------------------------------- trainer
-@dataclass
-class BatchRecord:
-    """One Composer batch: its wall time (BEFORE_DATALOADER to the next), parts of it, and the bare step
-    timed right after it on the same model, optimizer and batch (so both see the same machine load)."""
-
-    start: float
-    fetch_s: float = 0.0
-    components_s: dict[str, float] = field(default_factory=dict)
-    bare_step_s: float = 0.0
-    wall_s: float = 0.0  # Composer's time for this batch, the interleaved bare step taken out
-
-
-@dataclass
-class BatchClock:
-    """Times every Composer batch and, after each, one bare step; `sync` waits for the device."""
-
-    sync: Callable[[], None]
-    bare_step: Callable[[Any], Any]  # the batch as the loader delivered it -> one train_step
-    records: list[BatchRecord] = field(default_factory=list)
-    _open: BatchRecord | None = None
-
-    def now(self) -> float:
-        self.sync()
-        return time.perf_counter()
-
-    def start_batch(self) -> None:
-        now = self.now()
-        if self._open is not None:
-            self._open.wall_s = now - self._open.start - self._open.bare_step_s
-            self.records.append(self._open)
-        self._open = BatchRecord(now)
-
-    def fetched(self) -> None:
-        if self._open is not None:
-            self._open.fetch_s = self.now() - self._open.start
-
-    def add(self, name: str, seconds: float) -> None:
-        if self._open is not None:
-            self._open.components_s[name] = self._open.components_s.get(name, 0.0) + seconds
-
-    def run_bare_step(self, batch: Any) -> None:
-        if self._open is None:
-            return
-        start = self.now()
-        self.bare_step(batch)
-        self._open.bare_step_s = self.now() - start
-
-
-def _batch_clock_callback(clock: BatchClock) -> Any:
-    from composer.core import Callback
-
-    class BatchClockCallback(Callback):
-        """Last in the callback list, so at BATCH_END the EMA and every other callback have run."""
-
-        def before_dataloader(self, state: Any, logger: Any) -> None:
-            clock.start_batch()
-
-        def after_dataloader(self, state: Any, logger: Any) -> None:
-            clock.fetched()
-
-        def batch_end(self, state: Any, logger: Any) -> None:
-            clock.run_bare_step(state.batch)
-
-    return BatchClockCallback()
-
-
-def _timed(fn: Callable[..., Any], name: str, clock: BatchClock) -> Callable[..., Any]:
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        start = clock.now()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            clock.add(name, clock.now() - start)
-
-    return wrapper
-
-
-def instrument(trainer: Trainer, clock: BatchClock) -> None:
-    """Time every algorithm (EMA, gradient clipping) and callback/logger; drop checkpointing.
-
-    Composer saves a checkpoint at the end of any run: for SD2 shapes that is a multi-GB write that a real
-    run pays once per save_interval, not per batch, so the bench leaves it out.
-    """
-    from composer.callbacks import CheckpointSaver
-
-    state = trainer.state
-    state.callbacks[:] = [cb for cb in state.callbacks if not isinstance(cb, CheckpointSaver)]
-    for algorithm in state.algorithms:
-        algorithm.apply = _timed(algorithm.apply, type(algorithm).__name__, clock)  # type: ignore[method-assign]
-    for callback in state.callbacks:
-        callback.run_event = _timed(callback.run_event, type(callback).__name__, clock)  # type: ignore[method-assign]
-    state.callbacks.append(_batch_clock_callback(clock))
-
-
-def trainer_config(
-    recipe: TrainConfig,
-    root: Path,
-    resolution: int,
-    batch_size: int,
-    batches: int,
-    work: Path,
-    setup: DeviceSetup,
-) -> TrainConfig:
-    """The recipe on the bench dataset: one device, one microbatch per step, no sample grids."""
-    import dataclasses
-
-    data = dataclasses.replace(
-        recipe.data, uri=str(root), resolution=resolution, cache_dir=str(work / "cache")
-    )
-    log = dataclasses.replace(recipe.log, local_dir=str(work / "run"), tensorboard=False, wandb_project=None)
-    return dataclasses.replace(
-        recipe,
-        data=data,
-        samples=dataclasses.replace(recipe.samples, enabled=False),  # rendered every few thousand steps
-        log=log,
-        global_batch_size=batch_size,
-        device_microbatch_size=batch_size,
-        max_duration=f"{batches}ba",
-        save_folder=str(work / "save"),
-        save_interval=f"{batches + 1}ba",
-        autoresume=False,
-        load_path=None,
-        load_weights_only=False,
-        fsdp=False,  # one device: nothing to shard
-        device=setup.kind,
-        precision=setup.precision,
-        run_name="bench",
-    )
-
-
-def bench_trainer(
-    recipe: TrainConfig,
-    root: Path,
-    resolution: int,
-    batch_size: int,
-    batches: int,
-    warmup: int,
-    work: Path,
-    setup: DeviceSetup,
-) -> dict[str, Any]:
-    """Composer's wall time per batch (data, EMA, clipping, callbacks, logging included) vs the bare step,
-    timed after every batch on the trainer's own model, optimizer and batch."""
-    # One batch more than timed: the last one ends at FIT_END, not at a next BEFORE_DATALOADER.
-    cfg = trainer_config(recipe, root, resolution, batch_size, warmup + batches + 1, work, setup)
-    trainer = build_trainer(cfg)
-    state = trainer.state
-    optimizer = state.optimizers[0]
-
-    def bare_step(batch: Any) -> None:
-        train_step(state.model, optimizer, state.device.batch_to_device(batch), setup)
-
-    clock = BatchClock(setup.sync, bare_step)
-    instrument(trainer, clock)
-    with count_readbacks() as reads:
-        trainer.state.callbacks.insert(0, step_tracker(reads))
-        try:
-            trainer.fit()
-        finally:
-            trainer.close()
-    timed_steps = range(warmup + 1, warmup + batches + 1)
-    return summarize_batches(clock.records[warmup:], batch_size) | {
-        "host_reads_per_step": reads_per_step(reads, timed_steps)
-    }
-
-
-def reads_per_step(reads: Readbacks, steps: range) -> dict[str, Any]:
-    """Median and max read-backs (host syncs on a GPU) per timed step, by who makes them: the train job
-    (logging flushes every log.console_interval) and Composer's loop, with the places Composer reads."""
-    out: dict[str, Any] = {}
-    for who in ("train/", "composer/", "diffusers/"):
-        counts = [sum(n for w, n in reads.at(s).items() if w.startswith(who)) for s in steps]
-        out[who.rstrip("/")] = {"median": statistics.median(counts), "max": max(counts)}
-    out["composer_places"] = sorted({w for s in steps for w in reads.at(s) if w.startswith("composer/")})
-    return out
-
-
-def summarize_batches(records: list[BatchRecord], batch_size: int) -> dict[str, Any]:
-    """Medians over the timed batches: Composer's wall time, the bare step, their gap and its parts."""
-    if not records:
-        raise ValueError("the trainer bench timed no batch: raise trainer.batches")
-    wall = statistics.median(r.wall_s for r in records)
-    bare = statistics.median(r.bare_step_s for r in records)
-    outside = statistics.median(max(0.0, 1.0 - r.bare_step_s / r.wall_s) for r in records)
-    names = sorted({name for r in records for name in r.components_s})
-    components = {name: statistics.median(r.components_s.get(name, 0.0) for r in records) for name in names}
-    # Composer's own loop: batch to device, microbatch split, loss sync and logging, scheduler step
-    unattributed = statistics.median(
-        r.wall_s - r.bare_step_s - r.fetch_s - sum(r.components_s.values()) for r in records
-    )
-    return {
-        "batches_timed": len(records),
-        "batch_size": batch_size,
-        "wall_per_batch_s": wall,
-        "images_per_s": batch_size / wall,
-        "bare_step_s": bare,
-        "outside_step_share": outside,  # median over batches of 1 - bare / wall
-        "data_fetch_s": statistics.median(r.fetch_s for r in records),
-        "components_s": {name: s for name, s in components.items() if s > 0},
-        "unattributed_s": unattributed,
     }

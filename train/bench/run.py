@@ -20,18 +20,13 @@ from shared.estimate import GPU_TABLE, gpu_type_for_device
 from shared.presets import get_preset
 from shared.runtime import DeviceSetup, resolve_device_setup
 from train.bench.config import BenchConfig
-from train.bench.data import (
-    bench_loader,
-    bench_trainer,
-    raw_read_bytes_per_s,
-    shard_files,
-    write_synthetic_dataset,
-)
+from train.bench.data import bench_loader, raw_read_bytes_per_s, shard_files, write_synthetic_dataset
 from train.bench.report import findings
 from train.bench.scale import bench_collectives
 from train.bench.scale_s3 import S3_RUN_BATCH, bench_s3_requests
 from train.bench.step import bench_train_steps, count_flops
 from train.bench.text_store import bench_text_store
+from train.bench.trainer_run import bench_trainer
 from train.config import TrainConfig
 from train.model import use_channels_last
 
@@ -109,11 +104,11 @@ def bench_data_sections(
 
 def scale_section(trainer: dict[str, Any]) -> dict[str, Any]:
     """Counters that must not grow with the cluster (issue 11), from the real Composer run: the share of
-    each batch spent outside the bare step (the U-Net forward/backward, optimizer and the objective's
-    device work; target < 5%), and host read-backs per step (the train job's: 0 between log flushes)."""
+    each batch spent outside its U-Net forward/backward (with the objective's device work) and optimizer
+    step, timed inside the batch (target < 5%), and host read-backs per step (0)."""
     reads = trainer["host_reads_per_step"]
     return {
-        "python_side_share": trainer["outside_step_share"],
+        "python_side_share": trainer["python_side_share"],
         "python_side_share_target": PYTHON_SIDE_TARGET,
         "host_syncs_per_step": {"train": reads["train"]["median"], "composer": reads["composer"]["median"]},
         "host_sync_places": reads["composer_places"],

@@ -30,8 +30,9 @@ from shared import storage
 from shared.config import load_config
 from shared.presets import get_preset
 from shared.runtime import resolve_device_setup
-from train.bench.data import trainer_config, write_synthetic_dataset
+from train.bench.data import write_synthetic_dataset
 from train.bench.s3_server import find_weed_binary, pointed_at, run_seaweedfs
+from train.bench.trainer_run import trainer_config
 from train.config import TrainConfig
 from train.trainer import build_trainer
 

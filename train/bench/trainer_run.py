@@ -1,0 +1,272 @@
+"""The trainer section of `make bench`: the real Composer trainer over the bench dataset, each batch timed
+against the U-Net forward/backward and optimizer step inside it and against a bare step on the same batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from shared.runtime import DeviceSetup
+from train.bench.step import train_step
+from train.bench.syncs import Readbacks, count_readbacks, step_tracker
+from train.config import TrainConfig
+from train.packing import unpack
+from train.trainer import build_trainer
+
+if TYPE_CHECKING:
+    from composer import Trainer
+
+
+@dataclass
+class BatchRecord:
+    """One Composer batch: its wall time (BEFORE_DATALOADER to the next), parts of it, and the bare step
+    timed right after it on the same model, optimizer and batch (so both see the same machine load)."""
+
+    start: float
+    fetch_s: float = 0.0
+    components_s: dict[str, float] = field(default_factory=dict)
+    # the U-Net forward + loss, backward and optimizer step as Composer runs them in this batch
+    in_step_s: float = 0.0
+    bare_step_s: float = 0.0
+    wall_s: float = 0.0  # Composer's time for this batch, the interleaved bare step taken out
+
+
+@dataclass
+class BatchClock:
+    """Times every Composer batch and, after each, one bare step; `sync` waits for the device."""
+
+    sync: Callable[[], None]
+    bare_step: Callable[[Any], Any]  # the batch as the loader delivered it -> one train_step
+    records: list[BatchRecord] = field(default_factory=list)
+    _open: BatchRecord | None = None
+    _in_bare_step: bool = False
+
+    def now(self) -> float:
+        self.sync()
+        return time.perf_counter()
+
+    def start_batch(self) -> None:
+        now = self.now()
+        if self._open is not None:
+            self._open.wall_s = now - self._open.start - self._open.bare_step_s
+            self.records.append(self._open)
+        self._open = BatchRecord(now)
+
+    def fetched(self) -> None:
+        if self._open is not None:
+            self._open.fetch_s = self.now() - self._open.start
+
+    def add(self, name: str, seconds: float) -> None:
+        if self._open is not None:
+            self._open.components_s[name] = self._open.components_s.get(name, 0.0) + seconds
+
+    def add_in_step(self, seconds: float) -> None:
+        if self._open is not None and not self._in_bare_step:
+            self._open.in_step_s += seconds
+
+    def run_bare_step(self, batch: Any) -> None:
+        if self._open is None:
+            return
+        start = self.now()
+        self._in_bare_step = True
+        try:
+            self.bare_step(batch)
+        finally:
+            self._in_bare_step = False
+        self._open.bare_step_s = self.now() - start
+
+
+def _batch_clock_callback(clock: BatchClock) -> Any:
+    from composer.core import Callback
+
+    class BatchClockCallback(Callback):
+        """Last in the callback list, so at BATCH_END the EMA and every other callback have run."""
+
+        def before_dataloader(self, state: Any, logger: Any) -> None:
+            clock.start_batch()
+
+        def after_dataloader(self, state: Any, logger: Any) -> None:
+            clock.fetched()
+
+        def batch_end(self, state: Any, logger: Any) -> None:
+            clock.run_bare_step(state.batch)
+
+    return BatchClockCallback()
+
+
+def _timed(fn: Callable[..., Any], name: str, clock: BatchClock) -> Callable[..., Any]:
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        start = clock.now()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            clock.add(name, clock.now() - start)
+
+    return wrapper
+
+
+def _timed_in_step(fn: Callable[..., Any], clock: BatchClock) -> Callable[..., Any]:
+    @functools.wraps(fn)  # keeps the LR scheduler's mark on optimizer.step (else it warns)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        start = clock.now()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            clock.add_in_step(clock.now() - start)
+
+    return wrapper
+
+
+@contextlib.contextmanager
+def time_step_work(trainer: Trainer, clock: BatchClock) -> Iterator[None]:
+    """Time what the issue calls the step, inside Composer's own batch: the model's forward (the objective's
+    draws and the U-Net), its loss, the backward and the optimizer step. Everything else in the batch is
+    the Python-side work: data fetch, events, callbacks, EMA, clipping, logging, bookkeeping."""
+    model, optimizer = trainer.state.model, trainer.state.optimizers[0]
+    model.forward = _timed_in_step(model.forward, clock)  # type: ignore[method-assign]
+    model.loss = _timed_in_step(model.loss, clock)  # type: ignore[method-assign]
+    optimizer.step = _timed_in_step(optimizer.step, clock)  # type: ignore[method-assign]
+    backward = torch.Tensor.backward
+    torch.Tensor.backward = _timed_in_step(backward, clock)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.Tensor.backward = backward  # type: ignore[method-assign]
+
+
+def instrument(trainer: Trainer, clock: BatchClock) -> None:
+    """Time every algorithm (EMA, gradient clipping) and callback/logger; drop checkpointing.
+
+    Composer saves a checkpoint at the end of any run: for SD2 shapes that is a multi-GB write that a real
+    run pays once per save_interval, not per batch, so the bench leaves it out.
+    """
+    from composer.callbacks import CheckpointSaver
+
+    state = trainer.state
+    state.callbacks[:] = [cb for cb in state.callbacks if not isinstance(cb, CheckpointSaver)]
+    for algorithm in state.algorithms:
+        algorithm.apply = _timed(algorithm.apply, type(algorithm).__name__, clock)  # type: ignore[method-assign]
+    for callback in state.callbacks:
+        callback.run_event = _timed(callback.run_event, type(callback).__name__, clock)  # type: ignore[method-assign]
+    state.callbacks.append(_batch_clock_callback(clock))
+
+
+def trainer_config(
+    recipe: TrainConfig,
+    root: Path,
+    resolution: int,
+    batch_size: int,
+    batches: int,
+    work: Path,
+    setup: DeviceSetup,
+) -> TrainConfig:
+    """The recipe on the bench dataset: one device, one microbatch per step, no sample grids."""
+    import dataclasses
+
+    data = dataclasses.replace(
+        recipe.data, uri=str(root), resolution=resolution, cache_dir=str(work / "cache")
+    )
+    log = dataclasses.replace(recipe.log, local_dir=str(work / "run"), tensorboard=False, wandb_project=None)
+    return dataclasses.replace(
+        recipe,
+        data=data,
+        samples=dataclasses.replace(recipe.samples, enabled=False),  # rendered every few thousand steps
+        log=log,
+        global_batch_size=batch_size,
+        device_microbatch_size=batch_size,
+        max_duration=f"{batches}ba",
+        save_folder=str(work / "save"),
+        save_interval=f"{batches + 1}ba",
+        autoresume=False,
+        load_path=None,
+        load_weights_only=False,
+        fsdp=False,  # one device: nothing to shard
+        device=setup.kind,
+        precision=setup.precision,
+        run_name="bench",
+    )
+
+
+def bench_trainer(
+    recipe: TrainConfig,
+    root: Path,
+    resolution: int,
+    batch_size: int,
+    batches: int,
+    warmup: int,
+    work: Path,
+    setup: DeviceSetup,
+) -> dict[str, Any]:
+    """Composer's wall time per batch (data, EMA, clipping, callbacks, logging included) vs the step work
+    inside it, and vs the bare step timed after every batch on the trainer's own model, optimizer and
+    batch."""
+    # One batch more than timed: the last one ends at FIT_END, not at a next BEFORE_DATALOADER.
+    cfg = trainer_config(recipe, root, resolution, batch_size, warmup + batches + 1, work, setup)
+    trainer = build_trainer(cfg)
+    state = trainer.state
+    optimizer = state.optimizers[0]
+
+    def bare_step(batch: Any) -> None:
+        train_step(state.model, optimizer, unpack(state.device.batch_to_device(batch)), setup)
+
+    clock = BatchClock(setup.sync, bare_step)
+    instrument(trainer, clock)
+    with count_readbacks() as reads, time_step_work(trainer, clock):
+        trainer.state.callbacks.insert(0, step_tracker(reads))
+        try:
+            trainer.fit()
+        finally:
+            trainer.close()
+    timed_steps = range(warmup + 1, warmup + batches + 1)
+    return summarize_batches(clock.records[warmup:], batch_size) | {
+        "host_reads_per_step": reads_per_step(reads, timed_steps)
+    }
+
+
+def reads_per_step(reads: Readbacks, steps: range) -> dict[str, Any]:
+    """Median and max read-backs (host syncs on a GPU) per timed step, by who makes them: the train job
+    (logging flushes every log.console_interval) and Composer's loop, with the places Composer reads."""
+    out: dict[str, Any] = {}
+    for who in ("train/", "composer/", "diffusers/"):
+        counts = [sum(n for w, n in reads.at(s).items() if w.startswith(who)) for s in steps]
+        out[who.rstrip("/")] = {"median": statistics.median(counts), "max": max(counts)}
+    out["composer_places"] = sorted({w for s in steps for w in reads.at(s) if w.startswith("composer/")})
+    return out
+
+
+def summarize_batches(records: list[BatchRecord], batch_size: int) -> dict[str, Any]:
+    """Medians over the timed batches: Composer's wall time, the step work inside it, the bare step, and
+    the parts of the rest."""
+    if not records:
+        raise ValueError("the trainer bench timed no batch: raise trainer.batches")
+    names = sorted({name for r in records for name in r.components_s})
+    components = {name: statistics.median(r.components_s.get(name, 0.0) for r in records) for name in names}
+    # Composer's own loop: events, batch to device, microbatch bookkeeping, timestamps, scheduler step
+    unattributed = statistics.median(
+        r.wall_s - r.in_step_s - r.fetch_s - sum(r.components_s.values()) for r in records
+    )
+    return {
+        "batches_timed": len(records),
+        "batch_size": batch_size,
+        "wall_per_batch_s": statistics.median(r.wall_s for r in records),
+        "images_per_s": batch_size / statistics.median(r.wall_s for r in records),
+        "in_step_s": statistics.median(r.in_step_s for r in records),
+        # median over batches of 1 - step work / wall: the Python-side share of the batch (issue 11)
+        "python_side_share": statistics.median(max(0.0, 1.0 - r.in_step_s / r.wall_s) for r in records),
+        "bare_step_s": statistics.median(r.bare_step_s for r in records),
+        # median over batches of 1 - bare / wall: the same gap measured against a separate bare step, which
+        # also counts that step's warmer caches (it runs right after the batch, on the same tensors)
+        "outside_step_share": statistics.median(max(0.0, 1.0 - r.bare_step_s / r.wall_s) for r in records),
+        "data_fetch_s": statistics.median(r.fetch_s for r in records),
+        "components_s": {name: s for name, s in components.items() if s > 0},
+        "unattributed_s": unattributed,
+    }

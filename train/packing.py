@@ -1,0 +1,109 @@
+"""One buffer per batch: the loader workers pack a batch's columns into a single byte tensor.
+
+A batch has ~9 columns (latent mean and logvar, text, sample seed, five per-sample draws). Each tensor a
+worker hands over costs the main process one shared-memory handle to receive and map, and on a GPU one
+pinned copy and one host-to-device copy. Packed, that is one of each: `make bench` measured the loader's
+per-batch fetch in the training process drop from ~2-3 ms to ~1 ms on the tiny bench (torch's default
+fd sharing; a 10-tensor batch cost 4.4 ms against 1.5 ms packed in isolation).
+
+The layout travels with the buffer as a short JSON string (name, dtype, shape, byte offset per column), so
+the main process needs nothing else to unpack. Offsets are aligned to `ALIGN` bytes, so every column is
+a zero-copy view of the buffer on whichever device it is on. Composer sees this through a `DataSpec`:
+`split_batch` cuts a packed batch into packed microbatches (one microbatch, the shipped SD2 setting, is
+the batch itself), and `microbatch_transforms` unpacks each microbatch after its single copy to the device.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.utils.data import default_collate
+
+from shared.contract import LATENT_MEAN
+
+PACKED = "packed"  # the batch's bytes
+LAYOUT = "packed_layout"  # JSON: [[name, dtype, shape, offset], ...]
+ALIGN = 64  # bytes; a multiple of every element size, and of a cache line
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def pack_columns(columns: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """{name: tensor} -> {PACKED: uint8 buffer, LAYOUT: json}: one copy of each column into the buffer."""
+    layout, offset = [], 0
+    for name, tensor in columns.items():
+        layout.append([name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape), offset])
+        offset = _align(offset + tensor.numel() * tensor.element_size())
+    buffer = torch.empty(offset, dtype=torch.uint8)
+    for (_, _, _, start), tensor in zip(layout, columns.values(), strict=True):
+        flat = tensor.contiguous().reshape(-1).view(torch.uint8)
+        buffer[start : start + flat.numel()].copy_(flat)
+    return {PACKED: buffer, LAYOUT: json.dumps(layout)}
+
+
+def collate_packed(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The DataLoader's collate_fn (runs in the worker): torch's default collate, then one buffer."""
+    return pack_columns(default_collate(rows))
+
+
+def is_packed(batch: Any) -> bool:
+    return isinstance(batch, dict) and PACKED in batch
+
+
+def unpack(batch: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """{name: tensor} views of a packed batch, on the buffer's device (no copy); other batches as they are."""
+    if not is_packed(batch):
+        return batch
+    buffer: torch.Tensor = batch[PACKED]
+    columns = {}
+    for name, dtype, shape, offset in json.loads(batch[LAYOUT]):
+        kind = getattr(torch, dtype)
+        nbytes = _numel(shape) * torch.empty((), dtype=kind).element_size()
+        columns[name] = buffer[offset : offset + nbytes].view(kind).view(shape)
+    return columns
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for size in shape:
+        n *= size
+    return n
+
+
+def num_samples(batch: Any) -> int:
+    """Samples in a packed or unpacked batch, from the layout or the latents' shape (no device access)."""
+    if is_packed(batch):
+        for name, _, shape, _ in json.loads(batch[LAYOUT]):
+            if name == LATENT_MEAN:
+                return int(shape[0])
+        raise ValueError(f"a packed batch without {LATENT_MEAN}")
+    return int(batch[LATENT_MEAN].shape[0])
+
+
+def split_packed(batch: Any, microbatch_size: int | float) -> list[Any]:
+    """Packed microbatches of `microbatch_size` samples (the last may be smaller); one microbatch is the
+    batch itself, more are repacked on the host (accumulation > 1, which the dry run warns about)."""
+    size = int(microbatch_size)
+    if num_samples(batch) <= size:
+        return [batch]
+    columns = unpack(batch)
+    chunks = {name: torch.split(tensor, size) for name, tensor in columns.items()}
+    count = len(next(iter(chunks.values())))
+    return [pack_columns({name: parts[i] for name, parts in chunks.items()}) for i in range(count)]
+
+
+def packed_data_spec(dataloader: Any) -> Any:
+    """The Composer DataSpec of a loader whose batches are packed (`collate_packed`)."""
+    from composer.core import DataSpec
+
+    return DataSpec(
+        dataloader,
+        split_batch=split_packed,
+        get_num_samples_in_batch=num_samples,
+        microbatch_transforms=unpack,
+    )
