@@ -110,9 +110,10 @@ class NamedEMAStore(EMAParameters):
 
     def build_lerp_plan(self, model: torch.nn.Module) -> LerpPlan:
         """The (average, live) float tensors of one update, paired strictly by name. The store keeps the
-        plan of an unwrapped model: walking ~700 names per step cost ~1.5 ms of host time on the tiny
-        model. A run never replaces its parameter objects (loads copy into them, FSDP swaps their `.data`
-        in place), and a loaded checkpoint either builds a new store or fills this one in place."""
+        plan of an unwrapped model: walking and matching ~200 names per update cost ~1.5 ms of host time
+        on the tiny model. A run never replaces its parameter objects (loads copy into them, FSDP swaps
+        their `.data` in place), and a loaded checkpoint either builds a new store or fills this one in
+        place."""
         pairs = [(s, t) for t, s in self.pairs(model) if t.is_floating_point() and t.numel()]
         return LerpPlan(model, [s for s, _ in pairs], [t for _, t in pairs])
 
