@@ -94,3 +94,19 @@ def test_trainer_reads_back_only_at_log_and_checkpoint_steps(tiny_dataset: str, 
     lines = [json.loads(line) for line in (Path(cfg.save_folder) / "metrics.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines] == list(range(1, STEPS + 1))
     assert all(isinstance(line["loss"], float) and line["loss"] > 0 for line in lines)
+
+
+@pytest.mark.parametrize("debug", ["", "1"])
+def test_engine_debug_lines_cost_nothing_unless_asked_for(
+    tiny_dataset: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, debug: str
+) -> None:
+    from train.step_loop import ENGINE_DEBUG, _no_engine_debug_log
+
+    monkeypatch.setenv(ENGINE_DEBUG, debug)
+    cfg = tiny_config(tiny_dataset, tmp_path / "save", tmp_path / "cache", "samples.enabled=false")
+    trainer = build_trainer(cfg)
+    try:
+        skipped = trainer.engine._debug_log is _no_engine_debug_log
+        assert skipped == (not debug)  # ENGINE_DEBUG set: Composer's own per-callback debug lines
+    finally:
+        trainer.close()
