@@ -139,7 +139,8 @@ def build_manifest(
         unchecked.update(marker.admitted_unchecked)
     return DatasetManifest(
         version=vid,
-        created=datetime.now(UTC).isoformat(timespec="seconds"),
+        # Microseconds, as done-markers' `finished`: gc tells a newer run's markers from older ones by it
+        created=datetime.now(UTC).isoformat(timespec="microseconds"),
         preset=cfg.preset,
         scale_factor=float(encoders.vae.config.scaling_factor),
         resolutions=resolutions,
@@ -282,7 +283,7 @@ def collect_garbage(
     for marker in reads.markers:
         if (marker.partition, marker.recipe) in wanted_recipes:
             continue
-        if marker.finished > current.created:  # in-progress work of a newer run
+        if finished_after(marker.finished, current.created):  # in-progress work of a newer run
             wanted_dirs |= {(r, o["dir"]) for r, o in marker.outputs.items() if o.get("dir")}
             continue
         deleted_markers += 1
@@ -297,6 +298,17 @@ def collect_garbage(
             _delete_inside(layout, layout.version_dir(vid), True, refused)
     forced = held if force else []
     return GcReport(kept, stale, deleted_dirs, deleted_markers, reads.unreadable, refused, leased, forced)
+
+
+def finished_after(finished: str, created: str) -> bool:
+    """Whether a done-marker finished after a version was created, compared as instants.
+
+    Compared as strings, a marker finished in the same second as a manifest written with second precision
+    (before this was fixed) sorted after it ("56.2+00:00" > "56+00:00"), so gc kept a finished, replaced
+    partition as if a newer run owned it. Such an old `created` is still read as the start of its second,
+    which keeps same-second markers: a marker gc keeps is deleted by a later gc, one it deletes is gone.
+    """
+    return datetime.fromisoformat(finished) > datetime.fromisoformat(created)
 
 
 def describe_gc(report: GcReport, dry_run: bool) -> list[str]:

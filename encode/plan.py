@@ -18,6 +18,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 from encode.config import EncodeConfig
@@ -94,6 +95,14 @@ def output_dirname(partition: Partition, output_fp: str) -> str:
     return f"{partition.id}-{output_fp[:12]}"
 
 
+def _is_timestamp(value: Any) -> bool:
+    """An ISO 8601 instant with a UTC offset, as encode writes `finished` (gc and reuse order by it)."""
+    try:
+        return isinstance(value, str) and datetime.fromisoformat(value).utcoffset() is not None
+    except ValueError:
+        return False
+
+
 @dataclass
 class DoneMarker:
     """What produced a finished partition, and its counts. Written last: its existence means done."""
@@ -133,9 +142,9 @@ class DoneMarker:
     def check_names(self) -> None:
         """Every name this marker puts into a path has the form encode writes (UnsafeOutputError if not)."""
         where = f"done-marker of partition {self.partition!r}"
-        if not isinstance(self.finished, str) or not isinstance(self.outputs, dict):
+        if not _is_timestamp(self.finished) or not isinstance(self.outputs, dict):
             raise UnsafeOutputError(
-                f"{where}: `finished` is not a timestamp string or `outputs` not an object"
+                f"{where}: `finished` is not an ISO timestamp with a UTC offset or `outputs` not an object"
             )
         if not is_partition_id(self.partition) or not is_recipe_id(self.recipe):
             raise UnsafeOutputError(f"{where}: recipe {self.recipe!r} or the partition is not an encode id")

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import time
+from datetime import datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -80,3 +82,47 @@ def test_lease_names_are_validated(tmp_path: Path) -> None:
     (tmp_path / "_leases" / "junk.json").write_text("{not json")
     found, unreadable = leases.list_leases(str(tmp_path))
     assert found == [] and list(unreadable) == [str(tmp_path / "_leases" / "junk.json")]
+
+
+def _set_marker_times(out: Path, finished: str) -> list[Path]:
+    """Give every done-marker the current version does not use the `finished` time; returns them."""
+    used = {(p["id"], p["recipe"]) for p in read_manifest(str(out)).partitions}
+    changed = []
+    for path in sorted((out / "_parts").rglob("*.json")):
+        marker = json.loads(path.read_text())
+        if (marker["partition"], marker["recipe"]) not in used:
+            path.write_text(json.dumps({**marker, "finished": finished}))
+            changed.append(path)
+    assert changed
+    return changed
+
+
+def test_gc_deletes_markers_that_finished_in_the_same_second_before_the_version(
+    dataset: tuple[Path, Path, str, str],
+) -> None:
+    """Flaked under load: the manifest's `created` was cut to the second and compared as a string, so an
+    older partition finished within the second before the new version looked like a newer run's work."""
+    _, out, v1, _ = dataset
+    written = read_manifest(str(out)).created
+    assert "." in written, written  # to the microsecond, as markers' `finished` (it was cut to the second)
+    created = datetime.fromisoformat(written)
+    just_before = (created - timedelta(microseconds=1)).isoformat(timespec="microseconds")
+    replaced = _set_marker_times(out, just_before)
+    report = collect_garbage(Layout(str(out)), keep=1)
+    assert report.deleted_versions == [v1]
+    assert report.deleted_markers == len(replaced) and report.deleted_partition_dirs
+    assert not any(path.exists() for path in replaced)
+
+
+def test_gc_keeps_markers_finished_after_the_version_and_refuses_unreadable_times(
+    dataset: tuple[Path, Path, str, str],
+) -> None:
+    out = dataset[1]
+    created = datetime.fromisoformat(read_manifest(str(out)).created)
+    after = (created + timedelta(microseconds=1)).isoformat(timespec="microseconds")
+    newer = _set_marker_times(out, after)  # a newer run's finished partitions, not yet published
+    report = collect_garbage(Layout(str(out)), keep=1)
+    assert report.deleted_markers == 0 and all(path.exists() for path in newer)
+    _set_marker_times(out, "yesterday")  # a marker is data: a time that does not parse is refused
+    report = collect_garbage(Layout(str(out)), keep=1)
+    assert report.deleted_markers == 0 and len(report.unreadable_markers) == len(newer)
