@@ -228,13 +228,12 @@ def build_open_clip_tower(preset: Preset, checkpoint: str | None = None) -> torc
     return tower
 
 
-def openclip_to_transformers(tower: torch.nn.Module, preset: Preset) -> CLIPTextModel:
-    """Convert an OpenCLIP text tower to diffusers' CLIPTextModel layout, dropping the last block."""
-    from transformers import CLIPTextConfig, CLIPTextModel
+def clip_text_config(preset: Preset, layers: int) -> Any:
+    """transformers' CLIPTextConfig of the preset's text tower (OpenCLIP's shapes) with `layers` blocks."""
+    from transformers import CLIPTextConfig
 
     text = preset.text
-    layers = text["layers"] - 1
-    config = CLIPTextConfig(
+    return CLIPTextConfig(
         vocab_size=text["vocab_size"],
         hidden_size=text["width"],
         intermediate_size=4 * text["width"],
@@ -245,6 +244,14 @@ def openclip_to_transformers(tower: torch.nn.Module, preset: Preset) -> CLIPText
         projection_dim=text["width"],
         pad_token_id=1,
     )
+
+
+def openclip_to_transformers(tower: torch.nn.Module, preset: Preset) -> CLIPTextModel:
+    """Convert an OpenCLIP text tower to diffusers' CLIPTextModel layout, dropping the last block."""
+    from transformers import CLIPTextModel
+
+    layers = preset.text["layers"] - 1
+    config = clip_text_config(preset, layers)
     ctx = _seeded(preset.seed)  # its random init is overwritten below; don't advance the caller's RNG
     try:
         model = CLIPTextModel(config)

@@ -43,7 +43,6 @@ from shared.manifest import DatasetManifest, Layout, fingerprint, read_manifest
 from train import packing
 from train.config import DataConfig, ModelConfig
 from train.draws import SAMPLE_SEED, draw_columns
-from train.packing import collate_packed
 from train.streaming_host import DataError, claim_local_dir, streaming_prefix_lock
 
 log = logging.getLogger(__name__)
@@ -300,7 +299,7 @@ def build_dataloader(
         num_workers=cfg.num_workers,
         drop_last=True,
         pin_memory=_cuda_available(),
-        collate_fn=collate_packed,
+        collate_fn=packing.collate_packed,
         **extra,
     )
 

@@ -76,9 +76,7 @@ class ShardedEMAStore(NamedEMAStore):
     def lerp(self, model: torch.nn.Module, smoothing: float) -> None:
         """Each rank updates its own shards in place; the pairing is kept as in `NamedEMAStore`."""
         with torch.no_grad():
-            if self._lerp_plan is None or self._lerp_plan.model is not model:
-                self._lerp_plan = self.build_lerp_plan(model)
-            plan = self._lerp_plan
+            plan = self.lerp_plan(model)
             if any(a.shape != b.shape for a, b in zip(plan.averages, plan.current, strict=True)):
                 self.pairs(model)  # not sharded now (see `pairs`): raises, naming the shapes
             plan.run(smoothing)

@@ -17,7 +17,7 @@ the batch itself), and `microbatch_transforms` unpacks each microbatch after its
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+import math
 from typing import Any
 
 import torch
@@ -64,16 +64,9 @@ def unpack(batch: dict[str, Any]) -> dict[str, torch.Tensor]:
     columns = {}
     for name, dtype, shape, offset in json.loads(batch[LAYOUT]):
         kind = getattr(torch, dtype)
-        nbytes = _numel(shape) * torch.empty((), dtype=kind).element_size()
+        nbytes = math.prod(shape) * kind.itemsize
         columns[name] = buffer[offset : offset + nbytes].view(kind).view(shape)
     return columns
-
-
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for size in shape:
-        n *= size
-    return n
 
 
 def num_samples(batch: Any) -> int:

@@ -37,6 +37,7 @@ from composer.utils import dist
 from composer.utils.misc import create_interval_scheduler
 
 from shared.contract import LATENT_MEAN
+from train import packing
 from train.config import time_count
 
 ENGINE_DEBUG = "ENGINE_DEBUG"  # Composer's switch for its engine's per-callback debug lines
@@ -125,9 +126,9 @@ def _no_engine_debug_log(event: Event, msg: str) -> None:
 
 
 def microbatch_size(batch: Any) -> int:
-    """Samples in a microbatch, from its shape (a host-side number: no sync)."""
-    if isinstance(batch, dict) and LATENT_MEAN in batch:
-        return int(batch[LATENT_MEAN].shape[0])
+    """Samples in a microbatch, from its shape (a host-side number: no sync); 1 for one without latents."""
+    if packing.is_packed(batch) or (isinstance(batch, dict) and LATENT_MEAN in batch):
+        return packing.num_samples(batch)
     return 1
 
 

@@ -15,18 +15,9 @@ TINY = get_preset("tiny")  # a 3-layer tower: diffusers' converted text_encoder 
 
 def save_text_encoder(root: Path, layers: int) -> str:
     """A diffusers-style folder holding only text_encoder/ with a tiny random CLIPTextModel."""
-    from transformers import CLIPTextConfig, CLIPTextModel
+    from transformers import CLIPTextModel
 
-    text = TINY.text
-    config = CLIPTextConfig(
-        vocab_size=text["vocab_size"],
-        hidden_size=text["width"],
-        intermediate_size=4 * text["width"],
-        num_hidden_layers=layers,
-        num_attention_heads=text["heads"],
-        max_position_embeddings=text["context_length"],
-    )
-    CLIPTextModel(config).save_pretrained(root / "text_encoder")
+    CLIPTextModel(models.clip_text_config(TINY, layers)).save_pretrained(root / "text_encoder")
     return str(root)
 
 

@@ -103,25 +103,17 @@ def _batch_clock_callback(clock: BatchClock) -> Any:
     return BatchClockCallback()
 
 
-def _timed(fn: Callable[..., Any], name: str, clock: BatchClock) -> Callable[..., Any]:
+def _timed(fn: Callable[..., Any], clock: BatchClock, record: Callable[[float], None]) -> Callable[..., Any]:
+    """`fn`, handing its seconds to `record` (functools.wraps keeps the LR scheduler's mark on
+    optimizer.step, else it warns)."""
+
+    @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         start = clock.now()
         try:
             return fn(*args, **kwargs)
         finally:
-            clock.add(name, clock.now() - start)
-
-    return wrapper
-
-
-def _timed_in_step(fn: Callable[..., Any], clock: BatchClock) -> Callable[..., Any]:
-    @functools.wraps(fn)  # keeps the LR scheduler's mark on optimizer.step (else it warns)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        start = clock.now()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            clock.add_in_step(clock.now() - start)
+            record(clock.now() - start)
 
     return wrapper
 
@@ -132,11 +124,11 @@ def time_step_work(trainer: Trainer, clock: BatchClock) -> Iterator[None]:
     draws and the U-Net), its loss, the backward and the optimizer step. Everything else in the batch is
     the Python-side work: data fetch, events, callbacks, EMA, clipping, logging, bookkeeping."""
     model, optimizer = trainer.state.model, trainer.state.optimizers[0]
-    model.forward = _timed_in_step(model.forward, clock)  # type: ignore[method-assign]
-    model.loss = _timed_in_step(model.loss, clock)  # type: ignore[method-assign]
-    optimizer.step = _timed_in_step(optimizer.step, clock)  # type: ignore[method-assign]
+    model.forward = _timed(model.forward, clock, clock.add_in_step)  # type: ignore[method-assign]
+    model.loss = _timed(model.loss, clock, clock.add_in_step)  # type: ignore[method-assign]
+    optimizer.step = _timed(optimizer.step, clock, clock.add_in_step)  # type: ignore[method-assign]
     backward = torch.Tensor.backward
-    torch.Tensor.backward = _timed_in_step(backward, clock)  # type: ignore[method-assign]
+    torch.Tensor.backward = _timed(backward, clock, clock.add_in_step)  # type: ignore[method-assign]
     try:
         yield
     finally:
@@ -154,9 +146,11 @@ def instrument(trainer: Trainer, clock: BatchClock) -> None:
     state = trainer.state
     state.callbacks[:] = [cb for cb in state.callbacks if not isinstance(cb, CheckpointSaver)]
     for algorithm in state.algorithms:
-        algorithm.apply = _timed(algorithm.apply, type(algorithm).__name__, clock)  # type: ignore[method-assign]
+        record = functools.partial(clock.add, type(algorithm).__name__)
+        algorithm.apply = _timed(algorithm.apply, clock, record)  # type: ignore[method-assign]
     for callback in state.callbacks:
-        callback.run_event = _timed(callback.run_event, type(callback).__name__, clock)  # type: ignore[method-assign]
+        record = functools.partial(clock.add, type(callback).__name__)
+        callback.run_event = _timed(callback.run_event, clock, record)  # type: ignore[method-assign]
     state.callbacks.append(_batch_clock_callback(clock))
 
 
