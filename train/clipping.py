@@ -1,12 +1,19 @@
 """Gradient-norm clipping, the same as Composer's `GradientClipping(clipping_type="norm")`, without its
-per-step walk over the model.
+per-step walk over the model, and with the scaling folded into a fused optimizer step.
 
 Composer's algorithm finds the parameters (or, under FSDP, the root FSDP modules) anew on every step and
 asks `state.fsdp_enabled`, which walks every module again. The model's parameters and FSDP units do not
-change during a run, so they are looked up once; the clipping itself is torch's (`clip_grad_norm_`,
-foreach kernels) or FSDP's own (`FullyShardedDataParallel.clip_grad_norm_`, which reduces the sharded norm
-across ranks). On the tiny CPU model that clipping is most of the ~2 ms per step left (`make bench`):
-CPU foreach kernels loop per tensor (~3 us each over 208 gradients), where a GPU runs one fused kernel.
+change during a run, so they are looked up once.
+
+Clipping is a norm (one read of every gradient) and a scale (a read and a write of every gradient). With
+torch's fused AdamW (optimizer.fused) the scale costs nothing: its kernel already reads every gradient and
+divides it by `optimizer.grad_scale` when that is set (the hook AMP's GradScaler uses), so this sets
+`grad_scale = 1 / clip_coef` for exactly the next step and skips the separate pass. The result equals
+torch's `clip_grad_norm_` to float rounding (a divide instead of a multiply; tests/train/test_clipping.py).
+On the tiny CPU bench that pass was ~0.5-0.9 ms of the ~1.7 ms clipping took per step (CPU foreach kernels
+loop per tensor, 208 gradients). It scales the gradients itself where the step cannot: FSDP (its own
+`clip_grad_norm_` reduces the sharded norm across ranks; each rank then scales only its shard), AMP fp16
+(GradScaler owns `grad_scale`), an optimizer that is not fused, or one that holds other parameters.
 """
 
 from __future__ import annotations
@@ -15,9 +22,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from composer.core import Algorithm, Event, State
+from composer.core import Algorithm, Event, Precision, State
 from composer.loggers import Logger
 from torch.distributed.fsdp import FullyShardedDataParallel
+
+GRAD_SCALE = "grad_scale"  # the attribute torch's fused Adam/AdamW divide gradients by, if not None
 
 
 @dataclass
@@ -33,12 +42,33 @@ def clip_targets(model: torch.nn.Module) -> ClipTargets:
     return ClipTargets(model, roots, params)
 
 
+def steps_exactly(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter]) -> bool:
+    """The optimizer updates exactly `params` (a grad_scale set on it scales no other gradient)."""
+    held = [p for group in optimizer.param_groups for p in group["params"]]
+    return len(held) == len(params) and {id(p) for p in held} == {id(p) for p in params}
+
+
+def folds_scale(optimizer: torch.optim.Optimizer) -> bool:
+    """Its next step runs torch's fused kernel, which divides every gradient by `grad_scale`. Checked per
+    step: loading an optimizer state dict replaces the param groups, `fused` flag included."""
+    return getattr(optimizer, "_step_supports_amp_scaling", False) and all(
+        group.get("fused") for group in optimizer.param_groups
+    )
+
+
+def clear_grad_scale(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Step post-hook: a clipping scale applies to the one step it was computed for."""
+    setattr(optimizer, GRAD_SCALE, None)
+
+
 class GradNormClipping(Algorithm):
     """Scale the gradients so their global L2 norm is at most `max_norm`, after the last microbatch."""
 
     def __init__(self, max_norm: float):
         self.max_norm = max_norm
         self.targets: ClipTargets | None = None
+        self.fold_into: torch.optim.Optimizer | None = None  # the one optimizer, over exactly these params
+        self.hooked: set[int] = set()  # optimizers whose steps clear grad_scale
 
     def match(self, event: Event, state: State) -> bool:
         return event == Event.AFTER_TRAIN_BATCH
@@ -46,9 +76,33 @@ class GradNormClipping(Algorithm):
     def apply(self, event: Event, state: State, logger: Logger) -> Any:
         # Looked up at the first step, after Composer's wrapping and FSDP's lazy init (`check_is_root`).
         if self.targets is None or self.targets.model is not state.model:
-            self.targets = clip_targets(state.model)
+            self.look_up_targets(state)
+        assert self.targets is not None
         for root in self.targets.fsdp_roots:
             root.clip_grad_norm_(max_norm=self.max_norm)
         if self.targets.params:
-            torch.nn.utils.clip_grad_norm_(self.targets.params, max_norm=self.max_norm)
+            self.clip_params(self.targets.params, state)
         return None
+
+    def look_up_targets(self, state: State) -> None:
+        self.targets = clip_targets(state.model)
+        optimizers = list(state.optimizers)
+        self.fold_into = None
+        if self.targets.params and len(optimizers) == 1 and steps_exactly(optimizers[0], self.targets.params):
+            self.fold_into = optimizers[0]
+            if id(self.fold_into) not in self.hooked:
+                self.fold_into.register_step_post_hook(clear_grad_scale)
+                self.hooked.add(id(self.fold_into))
+
+    def clip_params(self, params: list[torch.nn.Parameter], state: State) -> None:
+        grads = [p.grad for p in params if p.grad is not None]
+        if not grads:
+            return
+        total = torch.nn.utils.get_total_norm(grads)
+        fp16 = Precision(state.precision) == Precision.AMP_FP16  # GradScaler sets grad_scale itself
+        if fp16 or self.fold_into is None or not folds_scale(self.fold_into):
+            torch.nn.utils.clip_grads_with_norm_(params, self.max_norm, total)
+            return
+        # clip_grads_with_norm_'s coefficient, as the divisor the fused step applies (no host sync)
+        coef = torch.clamp(self.max_norm / (total + 1e-6), max=1.0)
+        setattr(self.fold_into, GRAD_SCALE, coef.reciprocal())

