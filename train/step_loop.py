@@ -15,32 +15,44 @@ collective is one more latency-bound round per step. `LeanTrainer` drops all fou
   batch time (`_accumulate_time_across_ranks`: an all-reduce, a broadcast, `.item()`): every rank takes
   the same number of equal per-rank batches (Streaming partitions the epoch evenly; the loader drops the
   last partial batch), so the counts are the per-rank batch times the world size, and the batch time is
-  this rank's own clock. Evaluation and prediction keep Composer's own loop.
+  this rank's own clock;
+- the microbatch sample count (an all-reduce + `.item()` at the start of `_train_microbatches`): taken
+  from this rank's batch shape, the same on every rank for the same reason.
+Evaluation and prediction keep Composer's own loop. `make bench` (scale section) and
+tests/train/test_step_syncs.py count 0 read-backs per step.
 
-What Composer still does per step: one all-reduce and `.item()` of the microbatch sample count at the
-start of `_train_microbatches` (counted by `make bench`, scale section, and tests/train/test_step_syncs.py).
+The rest is host time per step that does not grow with the cluster but delays the next step's kernels
+(tiny CPU bench: the share of a batch outside forward, backward and optimizer step): events are dispatched
+only to callbacks that handle them (train/events.py); `_train_batch` skips three things Composer does on
+every batch for automatic microbatching or nothing: a walk over every module (`state.fsdp_enabled`,
+~0.16 ms here), `torch.cuda.memory_stats()`, and logging the constant microbatch size (logged once); and
+`_train_microbatch` skips Composer's deep copy of every microbatch (~0.3 ms here, a device copy on a GPU),
+which it keeps only to evaluate train metrics. Automatic microbatching, fp16 gradient scaling and train
+metrics run Composer's own methods.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import itertools
-import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 from composer import Trainer
-from composer.core import Callback, Event, State, TrainerMode
+from composer.core import Callback, Event, State, TrainerMode, get_precision_context
+from composer.distributed import ddp_sync_context
 from composer.loggers import Logger
 from composer.utils import dist
 from composer.utils.misc import create_interval_scheduler
+from torch.nn.parallel import DistributedDataParallel
 
 from shared.contract import LATENT_MEAN
 from train import packing
 from train.config import time_count
+from train.events import make_lean
 
-ENGINE_DEBUG = "ENGINE_DEBUG"  # Composer's switch for its engine's per-callback debug lines
 LOSS_METRIC = "loss/train/total"  # Composer's name; metrics.jsonl calls it "loss"
 
 
@@ -49,17 +61,34 @@ class LeanTrainer(Trainer):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        if not os.environ.get(ENGINE_DEBUG):
-            # Composer's engine formats a debug line and reads the environment for every callback of every
-            # event (~400 times a batch here) to log it only under ENGINE_DEBUG: ~1 ms of host time per
-            # batch on the tiny bench. Set ENGINE_DEBUG before the trainer starts to get those lines.
-            self.engine._debug_log = _no_engine_debug_log  # type: ignore[method-assign]
+        make_lean(self.engine)
 
     def _train_batch(self, use_grad_scaling: bool) -> Any:
-        super()._train_batch(use_grad_scaling)
+        if self.state.auto_microbatching or use_grad_scaling:
+            super()._train_batch(use_grad_scaling)
+        else:
+            self._train_fixed_microbatches()
         # None is Composer's "no loss to log" (its gradient-scaling failure path): no all-reduce, no
         # `.cpu().item()`. StepLossLog logs the loss instead.
         return None
+
+    def _train_fixed_microbatches(self) -> None:
+        """Composer's `_train_batch` where the microbatch size is fixed and no GradScaler steps: split, run
+        the microbatches, step (see the module doc for what it leaves out)."""
+        state, spec = self.state, self._train_data_spec
+        assert spec is not None and state.device_train_microbatch_size is not None, "set in __init__/fit()"
+        if state.train_metrics is not None:
+            for metric in state.train_metrics.values():
+                metric.reset()
+        total_loss_dict = {"loss/train/total": state.device.tensor_to_device(torch.zeros(size=(1,)))}
+        microbatches = spec.split_batch(state.batch, state.device_train_microbatch_size)
+        self._train_microbatches(microbatches, total_loss_dict)
+        for optimizer in state.optimizers:
+            optimizer.step()
+        if not self.first_train_batch_complete:
+            size = state.device_train_microbatch_size
+            self.logger.log_metrics({"trainer/device_train_microbatch_size": size})
+        self.first_train_batch_complete = True
 
     def _accumulate_time_across_ranks(
         self, num_samples: int | float, num_tokens: int, batch_time: datetime.timedelta
@@ -102,6 +131,45 @@ class LeanTrainer(Trainer):
         self.engine.run_event(Event.AFTER_TRAIN_BATCH)
         return total_loss_dict["loss/train/total"]
 
+    def _train_microbatch(
+        self, use_grad_scaling: bool, current_batch_size: int | float, is_final_microbatch: bool
+    ) -> dict[str, torch.Tensor]:
+        """Composer's microbatch (forward, loss, backward and their events) without its deep copy of the
+        batch, which it keeps only to evaluate train metrics after the backward; this job has none."""
+        state, spec = self.state, self._train_data_spec
+        assert spec is not None, "set in __init__() or fit()"
+        if (
+            use_grad_scaling
+            or state.auto_microbatching
+            or state.train_metrics
+            or self.accumulate_train_batch_on_tokens
+            or state.device.dist_backend == "xla"
+        ):
+            return super()._train_microbatch(use_grad_scaling, current_batch_size, is_final_microbatch)
+        share = spec.get_num_samples_in_batch(state.batch) / current_batch_size
+        with self._gradient_sync(is_final_microbatch):
+            self.engine.run_event(Event.BEFORE_FORWARD)
+            with get_precision_context(state.precision, state.precision_config):
+                state.outputs = state.model(state.batch)
+            self.engine.run_event(Event.AFTER_FORWARD)
+            self.engine.run_event(Event.BEFORE_LOSS)
+            with get_precision_context(state.precision, state.precision_config):
+                state.loss = self._original_model.loss(state.outputs, state.batch)
+            self.engine.run_event(Event.AFTER_LOSS)
+            self.engine.run_event(Event.BEFORE_BACKWARD)
+            assert isinstance(state.loss, torch.Tensor), "DiffusionModel.loss returns one tensor"
+            # Composer's scaling: the sample-weighted mean over the step's microbatches
+            loss = state.loss.mean() * share
+            loss.backward(create_graph=self._backwards_create_graph)
+            self.engine.run_event(Event.AFTER_BACKWARD)
+        return {"total": loss.detach()}
+
+    def _gradient_sync(self, is_final_microbatch: bool) -> contextlib.AbstractContextManager[Any]:
+        """DDP's no_sync for all but the last microbatch, as Composer (FSDP syncs in its own hooks)."""
+        if not isinstance(self.state.model, DistributedDataParallel):
+            return contextlib.nullcontext()
+        return ddp_sync_context(self.state, is_final_microbatch, self._ddp_sync_strategy)
+
     def _iter_dataloader(self, trainer_mode: TrainerMode) -> Iterator[Any]:
         if trainer_mode != TrainerMode.TRAIN:
             yield from super()._iter_dataloader(trainer_mode)
@@ -119,10 +187,6 @@ class LeanTrainer(Trainer):
                 self.engine.run_marker_only_event(Event.AFTER_DATALOADER)
                 return
             yield batch
-
-
-def _no_engine_debug_log(event: Event, msg: str) -> None:
-    return None
 
 
 def microbatch_size(batch: Any) -> int:

@@ -100,13 +100,13 @@ def test_trainer_reads_back_only_at_log_and_checkpoint_steps(tiny_dataset: str, 
 def test_engine_debug_lines_cost_nothing_unless_asked_for(
     tiny_dataset: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, debug: str
 ) -> None:
-    from train.step_loop import ENGINE_DEBUG, _no_engine_debug_log
+    from train.events import ENGINE_DEBUG, LeanEngine
 
     monkeypatch.setenv(ENGINE_DEBUG, debug)
     cfg = tiny_config(tiny_dataset, tmp_path / "save", tmp_path / "cache", "samples.enabled=false")
     trainer = build_trainer(cfg)
     try:
-        skipped = trainer.engine._debug_log is _no_engine_debug_log
-        assert skipped == (not debug)  # ENGINE_DEBUG set: Composer's own per-callback debug lines
+        lean = type(trainer.engine) is LeanEngine
+        assert lean == (not debug)  # ENGINE_DEBUG set: Composer's own dispatch and per-callback debug lines
     finally:
         trainer.close()
