@@ -16,8 +16,8 @@ OUTSIDE_SHARE = 0.10  # Composer's time outside the bare step
 LISTED_COMPONENTS = 3  # the costliest Composer algorithms / callbacks named in the findings
 
 
-def _pct(x: float) -> str:
-    return f"{100 * x:.0f}%"
+def _pct(x: float, digits: int = 0) -> str:
+    return f"{100 * x:.{digits}f}%"
 
 
 def train_findings(train: dict[str, Any]) -> list[str]:
@@ -56,10 +56,10 @@ def trainer_findings(trainer: dict[str, Any]) -> list[str]:
     parts = ", ".join(f"{name} {1000 * s:.1f} ms" for name, s in largest)
     flag = " - above target" if trainer["outside_step_share"] > OUTSIDE_SHARE else ""
     return [
-        f"Composer trainer: {_pct(trainer['python_side_share'])} of each batch is outside its forward, "
+        f"Composer trainer: {_pct(trainer['python_side_share'], 1)} of each batch is outside its forward, "
         f"backward and optimizer step (data fetch {1000 * trainer['data_fetch_s']:.1f} ms; {parts}; "
         f"Composer's own loop {1000 * trainer['unattributed_s']:.1f} ms); against a separate bare step "
-        f"{_pct(trainer['outside_step_share'])}{flag}"
+        f"{_pct(trainer['outside_step_share'], 1)}{flag}"
     ]
 
 
@@ -85,7 +85,7 @@ def scale_findings(scale: dict[str, Any]) -> list[str]:
         syncs = scale["host_syncs_per_step"]
         flag = " - above target" if share > target else ""
         notes.append(
-            f"scale: {_pct(share)} of a step outside the U-Net and optimizer "
+            f"scale: {_pct(share, 1)} of a step outside the U-Net and optimizer "
             f"(target < {_pct(target)}){flag}; host syncs per step: train job {syncs['train']:g}, "
             f"Composer {syncs['composer']:g}"
         )
@@ -256,7 +256,7 @@ def _scale_table(result: dict[str, Any]) -> list[str]:
         rows.append(
             [
                 "python-side share of a step",
-                _pct(scale["python_side_share"]),
+                _pct(scale["python_side_share"], 1),  # one decimal: 4.7% is not "5%, target < 5%"
                 f"target < {_pct(scale['python_side_share_target'])}",
             ]
         )

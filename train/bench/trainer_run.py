@@ -122,10 +122,12 @@ def _timed(fn: Callable[..., Any], clock: BatchClock, record: Callable[[float], 
 def time_step_work(trainer: Trainer, clock: BatchClock) -> Iterator[None]:
     """Time what the issue calls the step, inside Composer's own batch: the model's forward (the objective's
     draws and the U-Net), its loss, the backward and the optimizer step. Everything else in the batch is
-    the Python-side work: data fetch, events, callbacks, EMA, clipping, logging, bookkeeping."""
+    the Python-side work: data fetch, events, callbacks, EMA, clipping, logging, bookkeeping. The bare step
+    (train/bench/step.py) times the same work: zero_grad, forward, loss, backward, step."""
     model, optimizer = trainer.state.model, trainer.state.optimizers[0]
     model.forward = _timed(model.forward, clock, clock.add_in_step)  # type: ignore[method-assign]
     model.loss = _timed(model.loss, clock, clock.add_in_step)  # type: ignore[method-assign]
+    optimizer.zero_grad = _timed(optimizer.zero_grad, clock, clock.add_in_step)  # type: ignore[method-assign]
     optimizer.step = _timed(optimizer.step, clock, clock.add_in_step)  # type: ignore[method-assign]
     backward = torch.Tensor.backward
     torch.Tensor.backward = _timed(backward, clock, clock.add_in_step)  # type: ignore[method-assign]
@@ -149,9 +151,23 @@ def instrument(trainer: Trainer, clock: BatchClock) -> None:
         record = functools.partial(clock.add, type(algorithm).__name__)
         algorithm.apply = _timed(algorithm.apply, clock, record)  # type: ignore[method-assign]
     for callback in state.callbacks:
-        record = functools.partial(clock.add, type(callback).__name__)
-        callback.run_event = _timed(callback.run_event, clock, record)  # type: ignore[method-assign]
+        time_handlers(callback, functools.partial(clock.add, type(callback).__name__), clock)
     state.callbacks.append(_batch_clock_callback(clock))
+
+
+def time_handlers(callback: Any, record: Callable[[float], None], clock: BatchClock) -> None:
+    """Time the handlers the callback defines, on the instance, so the engine still skips the events it
+    does not handle (train/events.py); a callback with its own run_event is timed there."""
+    from composer.core import Callback, Event
+
+    from train.events import class_handles
+
+    if type(callback).run_event is not Callback.run_event:
+        callback.run_event = _timed(callback.run_event, clock, record)
+        return
+    for event in Event:
+        if class_handles(type(callback), event.value):
+            setattr(callback, event.value, _timed(getattr(callback, event.value), clock, record))
 
 
 def trainer_config(
