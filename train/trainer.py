@@ -191,14 +191,8 @@ def build_optimizer(cfg: TrainConfig, model: DiffusionModel) -> torch.optim.Opti
     fused (optimizer.fused) on CPU or CUDA, where the parameters are when Composer moves the model."""
     opt = cfg.optimizer
     params = [p for p in model.parameters() if p.requires_grad]
-    return torch.optim.AdamW(
-        params,
-        lr=opt.lr,
-        betas=opt.betas,
-        eps=opt.eps,
-        weight_decay=opt.weight_decay,
-        fused=opt.fused or None,  # None: torch picks its default (foreach on CUDA, a loop on CPU)
-    )
+    hyper = {"lr": opt.lr, "betas": opt.betas, "eps": opt.eps, "weight_decay": opt.weight_decay}
+    return torch.optim.AdamW(params, **hyper, fused=opt.fused or None)  # None: torch's default
 
 
 def build_schedulers(cfg: TrainConfig) -> list[Any]:
