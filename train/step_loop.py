@@ -57,7 +57,8 @@ LOSS_METRIC = "loss/train/total"  # Composer's name; metrics.jsonl calls it "los
 
 
 class LeanTrainer(Trainer):
-    """Composer's Trainer without its per-step loss read-back and time all-reduce (see module doc)."""
+    """Composer's Trainer without its per-step read-backs, bookkeeping collectives and host work for
+    features this job does not use (see module doc)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

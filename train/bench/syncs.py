@@ -28,7 +28,7 @@ REPO_TRAIN = Path(__file__).resolve().parents[1]  # the train package
 LIBRARIES = ("composer", "diffusers")
 
 
-@functools.cache  # called on every read-back, torch's own too (AdamW reads its step ~200x per step)
+@functools.cache  # called on every read-back, torch's own too (unfused AdamW reads its step per tensor)
 def origin_of(filename: str) -> str | None:
     """`train/guards.py`, `composer/trainer/trainer.py`, ... for counted code; None for anything else."""
     path = Path(filename)
