@@ -2,10 +2,10 @@
 pipeline (`encode.pipeline.run_rank`) on sample data, and each
 of its stages alone on the same samples, to show how close the pipeline gets to its slowest stage.
 
-Stages: the worker side (read, filter, decode, resize: `encode.prepare.prepare_partition`, one process),
-the VAE (every resolution of a sample) and the text tower. VAE and text run one after the other in the
-main process while workers prepare the next samples, so the pipeline can at best reach
-min(workers x worker rate, 1 / (VAE + text seconds per sample)).
+Stages: the worker side (read, filter, decode, resize: `encode.process.prepare.prepare_partition`, one
+process), the VAE (every resolution of a sample) and the text tower. VAE and text run one after the other in
+the main process while workers prepare the next samples, so the pipeline can at best reach min(workers x
+worker rate, 1 / (VAE + text seconds per sample)).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from shared.presets import random_init
 
 if TYPE_CHECKING:
     from encode.config import EncodeConfig
-    from encode.encoders import Encoders
-    from encode.prepare import PreparedSample
+    from encode.process.encoders import Encoders
+    from encode.process.prepare import PreparedSample
     from shared.runtime import DeviceSetup
 
 # torch and the encode pipeline are imported inside the functions that use them: train's bench config
@@ -65,11 +65,12 @@ def build_source(out_dir: Path, plan: EncodeBenchConfig, seed: int) -> Path:
 
 # ---------------------------------------------------------------------------------------------- encoders
 def bench_encoders(preset_name: str, setup: DeviceSetup) -> Encoders:
-    """The preset's VAE and text tower, random-initialised, placed as `encode.encoders.load_encoders` does."""
+    """The preset's VAE and text tower, random-initialised, placed as
+    `encode.process.encoders.load_encoders` does."""
     import torch
 
-    from encode.encoders import Encoders
-    from encode.plan import EncoderIds
+    from encode.plan.fingerprints import EncoderIds
+    from encode.process.encoders import Encoders
     from shared.models import build_text_encoder, build_vae
     from shared.presets import get_preset
 
@@ -106,8 +107,8 @@ def encode_config(
 # ------------------------------------------------------------------------------------------------ stages
 def prepare_all(cfg: EncodeConfig, encoders: Encoders) -> tuple[list[PreparedSample], float]:
     """The worker stage alone, in this process: every kept sample of every partition, and the seconds."""
-    from encode.plan import plan_partitions, stage_fingerprints
-    from encode.prepare import PreparedSample, prepare_partition
+    from encode.plan.fingerprints import plan_partitions, stage_fingerprints
+    from encode.process.prepare import PreparedSample, prepare_partition
     from encode.sources import list_partitions
     from shared.manifest import Layout
 
@@ -162,7 +163,7 @@ def time_stages(
 
 def _model_input_batch(pixels: Sequence[np.ndarray]) -> Any:
     """The host-side part of `Encoders.encode_images`: uint8 HWC images -> one uint8 NHWC batch."""
-    from encode.encoders import host_pixel_batch
+    from encode.process.encoders import host_pixel_batch
 
     return host_pixel_batch(pixels, pin=False)
 
@@ -177,7 +178,7 @@ def latent_precision(encoders: Encoders, pixels: Sequence[np.ndarray], batch_siz
     """
     import torch
 
-    from encode.encoders import host_pixel_batch, pixels_to_vae_input
+    from encode.process.encoders import host_pixel_batch, pixels_to_vae_input
 
     device, vae = encoders.device, encoders.vae
     batches = [

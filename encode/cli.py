@@ -60,9 +60,9 @@ def run(
     overrides: list[str] = typer.Argument(None, help=OVERRIDES_HELP),
 ) -> None:
     """Encode this rank's unfinished partitions; rank 0 then publishes the dataset version."""
-    from encode.encoders import load_encoders
-    from encode.finalize import publish
     from encode.pipeline import RankInfo, run_rank
+    from encode.process.encoders import load_encoders
+    from encode.publish.finalize import publish
     from encode.report import print_publish, print_rank
     from encode.sources import list_partitions
 
@@ -103,7 +103,7 @@ def wait_for_all_ranks(world_size: int) -> bool:
 
 @contextmanager
 def finished_or_exit() -> Iterator[None]:
-    from encode.finalize import NotFinishedError
+    from encode.publish.finalize import NotFinishedError
 
     try:
         yield
@@ -118,8 +118,8 @@ def finalize(
     overrides: list[str] = typer.Argument(None, help=OVERRIDES_HELP),
 ) -> None:
     """Merge every finished partition into a new dataset version (after all ranks are done)."""
-    from encode.encoders import load_encoders
-    from encode.finalize import publish
+    from encode.process.encoders import load_encoders
+    from encode.publish.finalize import publish
     from encode.report import print_publish
 
     setup_logging()
@@ -139,7 +139,7 @@ def gc(
     force: bool = typer.Option(False, "--force", help="also delete versions running jobs hold leases on"),
 ) -> None:
     """Delete old dataset versions and partition outputs that no kept or leased version uses."""
-    from encode.finalize import collect_garbage, describe_gc
+    from encode.publish.finalize import collect_garbage, describe_gc
     from shared.manifest import Layout
 
     cfg = load(dataset, overrides)

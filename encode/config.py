@@ -2,7 +2,7 @@
 
 Fields are grouped by what they fingerprint: `filter` + `caption` decide which samples exist and their text,
 `caption` + the text encoder decide text embeddings, `transform` + the VAE decide latents. Changing a field
-re-does only the work that depends on it (see encode/plan.py).
+re-does only the work that depends on it (see encode/plan/fingerprints.py).
 """
 
 from __future__ import annotations

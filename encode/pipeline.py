@@ -1,8 +1,8 @@
 """The encode job: plan, encode this rank's unfinished partitions, then (rank 0) publish a version.
 
-Workers (encode/prepare.py) read, select, decode and resize; this process batches within a partition, runs
-the VAE and text tower, and writes rows (encode/writer.py). Batches never span partitions, so the bytes of
-a sample do not depend on the worker or rank count.
+Workers (encode/process/prepare.py) read, select, decode and resize; this process batches within a partition,
+runs the VAE and text tower, and writes rows (encode/process/writer.py). Batches never span partitions, so the
+bytes of a sample do not depend on the worker or rank count.
 """
 
 from __future__ import annotations
@@ -17,8 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from encode.config import EncodeConfig
-from encode.encoders import Encoders, load_encoders
-from encode.plan import (
+from encode.plan.fingerprints import (
     DoneMarker,
     PartitionPlan,
     StageFingerprints,
@@ -27,9 +26,10 @@ from encode.plan import (
     plan_partitions,
     stage_fingerprints,
 )
-from encode.prepare import PartitionEnd, PreparedSample, PreparedStream, keep_as_is
+from encode.process.encoders import Encoders, load_encoders
+from encode.process.prepare import PartitionEnd, PreparedSample, PreparedStream, keep_as_is
+from encode.process.writer import PartitionWriter, remove_stale_staging
 from encode.sources import Partition, list_partitions
-from encode.writer import PartitionWriter, remove_stale_staging
 from shared.manifest import Layout
 
 log = logging.getLogger("encode")

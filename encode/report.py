@@ -5,8 +5,8 @@ from __future__ import annotations
 import typer
 
 from encode.config import EncodeConfig
-from encode.finalize import PublishResult
 from encode.pipeline import RankSummary
+from encode.publish.finalize import PublishResult
 
 
 def print_rank(summary: RankSummary) -> None:

@@ -1,6 +1,6 @@
 """Suite-wide fixtures: a real S3 server (SeaweedFS) on loopback, and the gpu auto-skip.
 
-The S3 server (train/bench/s3_server.py, which `make bench` starts the same way) runs once per test
+The S3 server (shared/storage/s3_server.py, which `make bench` starts the same way) runs once per test
 session with every port picked on 127.0.0.1 (parallel CI jobs cannot collide) and an identities file, so
 boto3's signed requests are really verified. `S3_ENDPOINT_URL` + AWS credentials are exported for the
 session, which points both `shared.storage` and MosaicML Streaming (it reads the same variable) at it.
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from train.bench.s3_server import S3Server, pointed_at, run_seaweedfs
+from shared.storage.s3_server import S3Server, pointed_at, run_seaweedfs
 
 # -------------------------------------------------------------------------------------- collection
 S3_FIXTURES = ("s3_server", "s3_prefix")

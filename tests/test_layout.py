@@ -1,6 +1,8 @@
 """The layout the README's Development section promises, checked from the source with `ast`:
-shared/ imports neither train, encode nor composer; encode imports neither train nor composer; no import
-cycles between modules; no module over MAX_LINES lines."""
+shared/ imports neither train, encode nor composer; encode imports neither train nor composer; inside train/
+and encode/ each concern package imports only the packages declared below it in LAYERS (function-local
+imports count); no import cycles between modules; no module over MAX_LINES lines; no folder over
+MAX_MODULES modules; every package's `__init__` says what it owns."""
 
 from __future__ import annotations
 
@@ -12,9 +14,42 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("shared", "encode", "train")
 MAX_LINES = 400
+MAX_MODULES = 12  # per folder, besides __init__ and __main__
 FORBIDDEN = {
     "shared": ("train", "encode", "composer"),
     "encode": ("train", "composer"),
+}
+
+
+# The import direction inside each stage, lowest first: a package (or top-level module) may import its own
+# modules, the packages before it in this order and shared/, never one after it. Entries in one tuple are
+# peers and may not import each other. Mirrored in the README's Development tree.
+LAYERS: dict[str, list[tuple[str, ...]]] = {
+    "train": [
+        ("config",),  # the job's typed config
+        ("data",),  # streaming, draws, packing, leases
+        ("model",),  # U-Net assembly, objective, online text tower
+        ("ema",),  # EMA stores, sharded EMA, handoff
+        ("checkpoints",),  # read/consolidate checkpoints, run record, retention
+        ("export",),  # diffusers export, sample grids
+        ("loop",),  # trainer stages, lean step, clipping, guards, metrics
+        ("bench", "tools"),  # make bench; demo and tiny-vae
+        ("launch",),  # the job's launch description
+        ("cli",),
+        ("__main__",),
+    ],
+    "encode": [
+        ("config",),
+        ("sources", "sample_data"),
+        ("plan",),  # fingerprints, done-markers, integrity, reuse
+        ("process",),  # per-sample path: prepare, images, filters, encoders, writer
+        ("publish",),  # finalize a version, gc
+        ("pipeline",),
+        ("report",),
+        ("bench", "launch"),
+        ("cli",),
+        ("__main__",),
+    ],
 }
 
 
@@ -100,3 +135,67 @@ def test_no_module_over_the_line_limit() -> None:
     lines = {name: len(path.read_text().splitlines()) for name, path in modules().items()}
     long = {name: n for name, n in lines.items() if n > MAX_LINES}
     assert not long, f"split these modules (at most {MAX_LINES} lines): {long}"
+
+
+def unit_of(name: str) -> str:
+    """The concern a module belongs to: `train.ema.store` -> `ema`, `train.config` -> `config`."""
+    parts = name.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def layer_index(stage: str) -> dict[str, int]:
+    return {unit: i for i, units in enumerate(LAYERS[stage]) for unit in units}
+
+
+@pytest.mark.parametrize("stage", sorted(LAYERS))
+def test_every_concern_has_a_declared_layer(stage: str) -> None:
+    units = {unit_of(name) for name in modules() if top(name) == stage} - {""}
+    assert units <= set(layer_index(stage)), (
+        f"declare these in LAYERS[{stage!r}]: {units - set(layer_index(stage))}"
+    )
+
+
+@pytest.mark.parametrize("stage", sorted(LAYERS))
+def test_import_direction(stage: str) -> None:
+    index = layer_index(stage)
+    upward = sorted(
+        f"{name} -> {dep}"
+        for name, deps in project_edges().items()
+        if top(name) == stage and unit_of(name)
+        for dep in deps
+        if top(dep) == stage
+        and unit_of(dep)
+        and unit_of(dep) != unit_of(name)
+        and index[unit_of(dep)] >= index[unit_of(name)]
+    )
+    assert not upward, f"imports against the declared direction (tests/test_layout.py LAYERS): {upward}"
+
+
+def test_no_folder_over_the_module_limit() -> None:
+    folders = {
+        p for pkg in PACKAGES for p in (REPO / pkg).rglob("*") if p.is_dir() and p.name != "__pycache__"
+    }
+    counts = {
+        str(folder.relative_to(REPO)): sum(
+            1 for f in folder.glob("*.py") if f.stem not in ("__init__", "__main__")
+        )
+        for folder in folders | {REPO / pkg for pkg in PACKAGES}
+    }
+    crowded = {folder: n for folder, n in counts.items() if n > MAX_MODULES}
+    assert not crowded, f"group these folders by concern (at most {MAX_MODULES} modules each): {crowded}"
+
+
+def test_every_package_says_what_it_owns() -> None:
+    silent = sorted(
+        str(init.relative_to(REPO))
+        for pkg in PACKAGES
+        for init in (REPO / pkg).rglob("__init__.py")
+        if not ast.get_docstring(ast.parse(init.read_text()))
+    )
+    assert not silent, f"give these packages a one-line docstring saying what they own: {silent}"
+
+
+def test_direction_check_catches_an_upward_import() -> None:
+    index = layer_index("train")
+    assert index["loop"] > index["ema"] and index["cli"] > index["loop"]
+    assert unit_of("train.ema.store") == "ema" and unit_of("train.config") == "config"

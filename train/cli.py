@@ -23,10 +23,10 @@ def _user_errors() -> tuple[type[Exception], ...]:
     from shared.encoders import EncoderMismatchError
     from shared.models import TextLayerError
     from shared.storage import StorageError
-    from train.checkpoints import CheckpointError, UnsafeCheckpointError
-    from train.data import DataError
-    from train.ema_names import EMAStoreMismatchError
-    from train.guards import NonFiniteLossError
+    from train.checkpoints.files import CheckpointError, UnsafeCheckpointError
+    from train.data.loader import DataError
+    from train.ema.names import EMAStoreMismatchError
+    from train.loop.guards import NonFiniteLossError
 
     return (
         ConfigError,
@@ -61,8 +61,8 @@ def fit(
     from train.config import TrainConfig
 
     _setup_logging()
-    from train.callbacks import DatasetChangedError
-    from train.trainer import fit as run_fit
+    from train.checkpoints.record import DatasetChangedError
+    from train.loop.trainer import fit as run_fit
 
     try:
         cfg = load_config(TrainConfig, config, overrides or [], kind="train")
@@ -85,7 +85,7 @@ def export(
     ),
 ) -> None:
     """Write a diffusers StableDiffusionPipeline folder from a checkpoint."""
-    from train.export import ExportError, export_pipeline
+    from train.export.pipeline import ExportError, export_pipeline
 
     _setup_logging()
     try:

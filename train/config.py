@@ -186,7 +186,8 @@ class TrainConfig:
     # dtype FSDP reduce-scatters gradients in: fp32 (exact sums, 4 bytes per parameter per microbatch) or
     # bf16 (half the bytes; sums over many ranks lose precision). Params are gathered in `precision`'s dtype.
     fsdp_reduce_dtype: Literal["fp32", "bf16"] = "fp32"
-    # torch.compile the U-Net (only the U-Net, in place: parameter names stay the same; train/model.py).
+    # torch.compile the U-Net (only the U-Net, in place: parameter names stay the same;
+    # train/model/assemble.py).
     compile: bool = False
     # U-Net weights and inputs in NHWC layout, which cuDNN convolutions run natively. GPU runs only: a CPU
     # run keeps NCHW whatever this says. `make bench` builds its model through the same switch.
@@ -195,7 +196,7 @@ class TrainConfig:
     save_folder: str = ""
     # How a checkpoint is written. full: every weight, the EMA and AdamW state are gathered onto rank 0,
     # which writes one .pt (~14 GB for SD2-base, at one node's write bandwidth). sharded: every rank writes
-    # its own part in parallel into a folder per checkpoint (train/checkpoints_sharded.py); Composer writes
+    # its own part in parallel into a folder per checkpoint (train/checkpoints/sharded.py); Composer writes
     # those only under FSDP. auto: sharded when fsdp=true on more than one rank, else full. Either format
     # resumes on any rank count, and a run resuming the other format converts it once at start.
     checkpoint_format: Literal["auto", "full", "sharded"] = "auto"
@@ -208,7 +209,8 @@ class TrainConfig:
     autoresume: bool = True
     # A checkpoint file or a save folder (-> its latest) to start from when there is nothing to autoresume.
     load_path: str | None = None
-    # Phase handoff: take only the weights (EMA weights, see train/ema.py) with a fresh optimizer/schedule.
+    # Phase handoff: take only the weights (EMA weights, see train/ema/algorithm.py) with a fresh
+    # optimizer/schedule.
     load_weights_only: bool = False
 
     def __post_init__(self) -> None:

@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 
 from encode.config import EncodeConfig
-from encode.encoders import Encoders, load_encoders
-from encode.finalize import publish
 from encode.pipeline import RankInfo, run_rank
-from encode.reuse import iter_mds_rows
+from encode.plan.reuse import iter_mds_rows
+from encode.process.encoders import Encoders, load_encoders
+from encode.publish.finalize import publish
 from encode.sample_data import build_webdataset
 from shared import contract, storage
 from shared.config import ConfigError, load_config

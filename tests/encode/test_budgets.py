@@ -15,7 +15,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from encode.config import EncodeConfig, OutputConfig, SourceConfig
-from encode.prepare import _Selected, select_sample
+from encode.process.prepare import _Selected, select_sample
 from encode.sample_data import encode_image
 from encode.sources import (
     RawSample,

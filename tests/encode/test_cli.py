@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from encode.encoders import load_encoders
+from encode.process.encoders import load_encoders
 from encode.sample_data import build_webdataset
 from shared.manifest import Layout
 from tests.encode.test_pipeline import HIGH, LOW, SMALL, encode, make_cfg, rows_by_key

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 from encode.config import EncodeConfig
-from encode.encoders import Encoders, load_encoders
-from encode.finalize import NotFinishedError, PublishResult, collect_garbage, publish
 from encode.pipeline import RankInfo, RankSummary, run_rank
-from encode.reuse import iter_mds_rows
+from encode.plan.reuse import iter_mds_rows
+from encode.process.encoders import Encoders, load_encoders
+from encode.publish.finalize import NotFinishedError, PublishResult, collect_garbage, publish
 from encode.sample_data import build_parquet, build_webdataset
 from encode.sources import list_partitions
 from shared import contract, storage

@@ -21,8 +21,13 @@ from typer.testing import CliRunner
 from encode import sample_data
 from encode.cli import app
 from encode.config import CaptionConfig, FilterConfig, SourceConfig
-from encode.filters import caption_reject_reason, clean_caption, metadata_reject_reason, size_reject_reason
-from encode.images import ImageRejected, decode_rgb, probe_size, resize_center_crop
+from encode.process.filters import (
+    caption_reject_reason,
+    clean_caption,
+    metadata_reject_reason,
+    size_reject_reason,
+)
+from encode.process.images import ImageRejected, decode_rgb, probe_size, resize_center_crop
 from encode.sample_data import COLORS, color_of_caption, parse_caption, sample_captions
 from encode.sources import RawSample, Rejected, list_partitions, read_partition
 from shared.config import REPO_ROOT

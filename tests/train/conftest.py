@@ -215,7 +215,7 @@ class TinyRun:
         self.save = Path(cfg.save_folder)
 
     def checkpoint_state(self) -> dict[str, Any]:
-        from train.checkpoints import read_checkpoint
+        from train.checkpoints.files import read_checkpoint
 
         return read_checkpoint(self.save / "latest-rank0.pt")["state"]
 
@@ -224,7 +224,7 @@ class TinyRun:
 def tiny_run(tiny_dataset: str, tmp_path_factory: pytest.TempPathFactory) -> TinyRun:
     """12 batches of the tiny job (checkpoints and sample grids at 6 and 12); EMA smoothing 0.9 so the
     average visibly differs from the training weights."""
-    from train.trainer import fit
+    from train.loop.trainer import fit
 
     base = tmp_path_factory.mktemp("tiny-run")
     cfg = tiny_config(

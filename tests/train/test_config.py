@@ -116,7 +116,7 @@ def test_derive_batching_refuses_uneven_splits(global_batch: int, world: int, mi
 def test_cpu_machine_resolves_auto_to_cpu_fp32() -> None:
     import torch
 
-    from train.trainer import resolve_device, resolve_precision
+    from train.loop.prepare import resolve_device, resolve_precision
 
     if torch.cuda.is_available():
         pytest.skip("checks the CPU-only resolution")

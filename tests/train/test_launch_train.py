@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from tests.train.conftest import tiny_overrides, write_fake_dataset
-from train.checkpoints import LATEST_NAME
+from train.checkpoints.files import LATEST_NAME
 
 REPO = Path(__file__).resolve().parents[2]
 RUN_TIMEOUT_S = 480

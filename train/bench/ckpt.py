@@ -4,7 +4,7 @@ A full checkpoint gathers every weight, the EMA and the AdamW state onto rank 0 
 a sharded one has each rank write its own part. Composer's FSDP wrapper needs CUDA, so the model here is
 wrapped with PyTorch's FSDP on gloo (`device_id=cpu`, SHARD_GRAD_OP, original parameters, as the trainer
 configures it), and both formats are written by Composer's own `save_checkpoint` from a Composer `State`
-with the trainer's FSDP checkpoint options (`train.checkpoints_sharded.fsdp_checkpoint_options`), the
+with the trainer's FSDP checkpoint options (`train.checkpoints.sharded.fsdp_checkpoint_options`), the
 sharded EMA store and AdamW after one step. `measure_checkpoint_save` returns bytes written per rank and
 seconds per save for each format; tests/train/test_sharded_checkpoints.py drives the same helpers to save,
 resume on 1 and 2 ranks, and export.
@@ -34,9 +34,9 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
 
-from train.checkpoints import CHECKPOINT_FILENAME, SHARDED_METADATA_NAME
-from train.checkpoints_sharded import SHARD_SUFFIX, fsdp_checkpoint_options
-from train.ema import HandoffEMA, build_ema
+from train.checkpoints.files import CHECKPOINT_FILENAME, SHARDED_METADATA_NAME
+from train.checkpoints.sharded import SHARD_SUFFIX, fsdp_checkpoint_options
+from train.ema.algorithm import HandoffEMA, build_ema
 
 CKPT_RANKS = 2
 STORE_NAME = "rendezvous"  # a FileStore in the run's own temp folder: no port to pick, nothing shared

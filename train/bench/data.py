@@ -3,7 +3,7 @@ trainer over the same dataset: train/bench/trainer_run.py).
 
 The dataset is written the way encode lays out its output (shared/manifest.py): rows at the preset's exact
 shapes through `streaming.MDSWriter` + `shared.contract`, one partition, a merged index per version and a
-manifest, so `train.data` and `train.trainer` read it exactly as they read a real encode output.
+manifest, so `train.data.loader` and `train.loop.trainer` read it exactly as they read a real encode output.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ import numpy as np
 from shared.contract import Shapes, make_row, mds_columns
 from shared.manifest import INDEX_NAME, DatasetManifest, Layout, ResolutionInfo, fingerprint
 from shared.presets import Preset
-from train import packing
 from train.config import DataConfig
-from train.data import build_dataloader, pin_version, read_dataset_manifest
+from train.data import packing
+from train.data.loader import build_dataloader, pin_version, read_dataset_manifest
 
 VERSION = "bench"
 PARTITION = "part00000-bench"

@@ -28,7 +28,7 @@ from train.bench.step import bench_train_steps, count_flops
 from train.bench.text_store import bench_text_store
 from train.bench.trainer_run import bench_trainer
 from train.config import TrainConfig
-from train.model import use_channels_last
+from train.model.assemble import use_channels_last
 
 PYTHON_SIDE_TARGET = 0.05  # issue 11: under 5% of a step outside the U-Net forward/backward and optimizer
 

@@ -3,11 +3,11 @@
 Composer's FSDP wrapper needs CUDA, so each rank wraps the model the way Composer 0.32's
 `prepare_fsdp_module` does (every child of the ComposerModel is its own FSDP root, auto-wrapped by that
 child's `fsdp_wrap_fn` if it has one), with PyTorch's FSDP on CPU and the FSDP settings the trainer hands
-Composer for the shipped SD2 recipe (`train.trainer.parallelism_config`: SHARD_GRAD_OP, original
+Composer for the shipped SD2 recipe (`train.loop.trainer.parallelism_config`: SHARD_GRAD_OP, original
 parameters, bf16 params and fp32 gradient reduction through Composer's own `get_mixed_precision`). The model
 is the tiny preset's U-Net (shapes do not change which collectives run, only their size), and the batch
 settings are the recipe's at its target cluster size (jobs/train/sd2-base-256.yaml on 256 GPUs: 8 per rank
-in 1 microbatch). Measured, with `train.comm_counter.count_collectives`:
+in 1 microbatch). Measured, with `train.loop.comm_counter.count_collectives`:
 
 - ema:  bytes moved by one EMA update under FSDP (must be 0); beside it what gathering the full model
         moves (what an unsharded EMA paid per update), which also proves the counter sees FSDP's traffic;
@@ -44,12 +44,12 @@ from shared.estimate.cluster import DTYPE_BYTES, PRESET_PARAMS, step_comm
 from shared.presets import get_preset
 from shared.runtime import resolve_precision
 from train.bench.ckpt import bytes_written_by_rank, composer_state, init_gloo, save_with_composer, trained_net
-from train.comm_counter import CollectiveCount, count_collectives
 from train.config import TrainConfig
-from train.diffusion import DenoiseInput, DiffusionModel
-from train.ema import build_ema
-from train.model import assemble_model
-from train.trainer import parallelism_config
+from train.ema.algorithm import build_ema
+from train.loop.comm_counter import CollectiveCount, count_collectives
+from train.loop.trainer import parallelism_config
+from train.model.assemble import assemble_model
+from train.model.diffusion import DenoiseInput, DiffusionModel
 
 SCALE_RANKS = 2
 SHIPPED_RECIPE = "sd2-base-256"  # the recipe whose batch and FSDP settings are counted

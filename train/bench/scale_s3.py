@@ -30,11 +30,11 @@ from shared import storage
 from shared.config import load_config
 from shared.presets import get_preset
 from shared.runtime import resolve_device_setup
+from shared.storage.s3_server import find_weed_binary, pointed_at, run_seaweedfs
 from train.bench.data import write_synthetic_dataset
-from train.bench.s3_server import find_weed_binary, pointed_at, run_seaweedfs
 from train.bench.trainer_run import trainer_config
 from train.config import TrainConfig
-from train.trainer import build_trainer
+from train.loop.trainer import build_trainer
 
 S3_RUN_RECIPE, S3_RUN_PRESET, S3_RUN_RESOLUTION = "tiny", "tiny", 64  # any model makes the same requests
 S3_RUN_BATCH = 2

@@ -3,7 +3,7 @@
 Two steps are timed on synthetic inputs of the preset's exact shapes, already on the device (data loading is
 measured on its own, in train/bench/data.py):
 - offline: what the train job runs per batch on precomputed latents, on the model the train job builds
-  (`train.model.assemble_model`: same class, layout and compilation from the same TrainConfig):
+  (`train.model.assemble.assemble_model`: same class, layout and compilation from the same TrainConfig):
   `DiffusionModel` forward (`Objective.prepare` on the per-sample draws the loader delivers) + loss +
   backward + optimizer step;
 - online: the baseline without precomputing: VAE-encode the pixel batch and run the text tower on token ids,
@@ -32,15 +32,15 @@ from shared.presets import Preset, get_preset, random_init
 from shared.runtime import DeviceSetup
 from train.bench.config import StepBenchConfig
 from train.config import TrainConfig
-from train.diffusion import DiffusionModel
-from train.draws import DRAW_COLUMNS, SAMPLE_SEED, attach_draws
-from train.model import assemble_model
-from train.trainer import build_optimizer
+from train.data.draws import DRAW_COLUMNS, SAMPLE_SEED, attach_draws
+from train.loop.trainer import build_optimizer
+from train.model.assemble import assemble_model
+from train.model.diffusion import DiffusionModel
 
 TERA = 1e12
 # Stored posteriors of a real VAE have log-variances around here; only the shape and dtype matter for speed.
 SYNTHETIC_LOGVAR = -5.0
-SEED_BOUND = 1 << 62  # sample seeds are non-negative 63-bit integers (train/data.py)
+SEED_BOUND = 1 << 62  # sample seeds are non-negative 63-bit integers (train/data/loader.py)
 NUM_TIMESTEPS = 1000  # the SD2 schedule's length (model.num_train_timesteps)
 
 
@@ -75,8 +75,8 @@ def time_calls(fn: Callable[[], Any], warmup: int, repeats: int, setup: DeviceSe
 
 # ------------------------------------------------------------------------------------------------ models
 def build_diffusion_model(train_cfg: TrainConfig, setup: DeviceSetup) -> DiffusionModel:
-    """The train job's model for this device, built by the train job's own code (train/model.py), with an
-    all-zero empty-caption embedding, moved to the device."""
+    """The train job's model for this device, built by the train job's own code (train/model/assemble.py),
+    with an all-zero empty-caption embedding, moved to the device."""
     preset = get_preset(train_cfg.model.preset)
     empty = torch.zeros(preset.text_shape())
     model = assemble_model(train_cfg, setup.kind, preset.scale_factor, empty)

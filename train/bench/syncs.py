@@ -30,7 +30,7 @@ LIBRARIES = ("composer", "diffusers")
 
 @functools.cache  # called on every read-back, torch's own too (unfused AdamW reads its step per tensor)
 def origin_of(filename: str) -> str | None:
-    """`train/guards.py`, `composer/trainer/trainer.py`, ... for counted code; None for anything else."""
+    """`train/loop/guards.py`, `composer/trainer/trainer.py`, ... for counted code; None for anything else."""
     path = Path(filename)
     if path.is_relative_to(REPO_TRAIN):
         rel = path.relative_to(REPO_TRAIN)

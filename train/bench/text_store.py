@@ -1,10 +1,10 @@
 """text.store in `make bench`: the train step on stored embeddings vs on token ids with the text tower in it.
 
-Both steps run the train job's own model (train/model.py) and optimizer on one device; the tokens step's
-Objective holds the frozen tower exactly as a text.store=tokens run does (train/online_text.py), so the
-measured difference is the tower's forward under no_grad plus the fp16 rounding. The two are timed
-alternately (`time_interleaved`), and the ratio is the median of per-pair ratios, next to the FLOP-ideal
-ratio (U-Net train step + text tower) / U-Net train step. `make estimate ARGS='throughput_from=...'` reads
+Both steps run the train job's own model (train/model/assemble.py) and optimizer on one device; the tokens
+step's Objective holds the frozen tower exactly as a text.store=tokens run does (train/model/online_text.py),
+so the measured difference is the tower's forward under no_grad plus the fp16 rounding. The two are timed
+alternately (`time_interleaved`), and the ratio is the median of per-pair ratios, next to the FLOP-ideal ratio
+(U-Net train step + text tower) / U-Net train step. `make estimate ARGS='throughput_from=...'` reads
 `text_store.<res>.ratio` to price the tower's extra GPU-hours.
 """
 
@@ -23,7 +23,7 @@ from shared.runtime import DeviceSetup
 from train.bench.config import StepBenchConfig
 from train.bench.step import FlopCounts, StepBench, synthetic_latent_batch, time_interleaved, train_step
 from train.config import TrainConfig
-from train.online_text import OnlineText
+from train.model.online_text import OnlineText
 
 
 def tokens_batch(

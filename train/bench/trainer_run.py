@@ -19,8 +19,8 @@ from shared.runtime import DeviceSetup
 from train.bench.step import train_step
 from train.bench.syncs import Readbacks, count_readbacks, step_tracker
 from train.config import TrainConfig
-from train.packing import unpack
-from train.trainer import build_trainer
+from train.data.packing import unpack
+from train.loop.trainer import build_trainer
 
 if TYPE_CHECKING:
     from composer import Trainer
@@ -157,10 +157,10 @@ def instrument(trainer: Trainer, clock: BatchClock) -> None:
 
 def time_handlers(callback: Any, record: Callable[[float], None], clock: BatchClock) -> None:
     """Time the handlers the callback defines, on the instance, so the engine still skips the events it
-    does not handle (train/events.py); a callback with its own run_event is timed there."""
+    does not handle (train/loop/events.py); a callback with its own run_event is timed there."""
     from composer.core import Callback, Event
 
-    from train.events import class_handles
+    from train.loop.events import class_handles
 
     if type(callback).run_event is not Callback.run_event:
         callback.run_event = _timed(callback.run_event, clock, record)

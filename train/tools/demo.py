@@ -72,9 +72,9 @@ def build_data(paths: DemoPaths) -> Path:
 
 def encode_data(paths: DemoPaths, source: Path) -> None:
     from encode.config import EncodeConfig
-    from encode.encoders import load_encoders
-    from encode.finalize import publish
     from encode.pipeline import RankInfo, run_rank
+    from encode.process.encoders import load_encoders
+    from encode.publish.finalize import publish
     from encode.report import print_publish, print_rank
 
     start = time.perf_counter()
@@ -88,7 +88,7 @@ def encode_data(paths: DemoPaths, source: Path) -> None:
 
 def train_model(paths: DemoPaths, max_duration: str | None) -> None:
     from train.config import TrainConfig
-    from train.trainer import fit
+    from train.loop.trainer import fit
 
     overrides = [f"data.uri={paths.encoded}", f"save_folder={paths.train}"]
     if max_duration:
@@ -100,8 +100,8 @@ def export_and_generate(paths: DemoPaths) -> None:
     import torch
     from diffusers import StableDiffusionPipeline
 
-    from train.export import export_pipeline
-    from train.samples import save_grid
+    from train.export.pipeline import export_pipeline
+    from train.export.samples import save_grid
 
     export_pipeline(str(paths.train), str(paths.pipeline))
     # low_cpu_mem_usage=False: the tiny model needs no `accelerate` (not a dependency), and says so quietly

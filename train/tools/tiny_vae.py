@@ -7,7 +7,8 @@ test) could judge. The sample images are flat-coloured shapes with a little nois
 `diffusers.AutoencoderKL` of the preset's `TINY_VAE` (downsample 8, 4 latent channels, like SD's) learns
 them in minutes on one CPU core:
 - data: `encode.sample_data.build_webdataset` for TRAIN_DATA_SEEDS, decoded, resized and center-cropped
-  exactly as encode does (`encode.images`) at 64 and 128 px; PSNR is measured on a seed never trained on;
+  exactly as encode does (`encode.process.images`) at 64 and 128 px; PSNR is measured on a seed never
+  trained on;
 - batches: whole images, one resolution per step (alternating), randomly flipped. Not crops: GroupNorm
   normalises over the whole image, so a crop (often one flat colour) is not what encode feeds the network,
   and on a flat crop the normalisation erases the very colour it should keep;
@@ -33,7 +34,7 @@ import numpy as np
 import torch
 
 from encode.config import SourceConfig
-from encode.images import decode_rgb, resize_center_crop
+from encode.process.images import decode_rgb, resize_center_crop
 from encode.sample_data import build_webdataset
 from encode.sources import RawSample, read_webdataset
 from shared.presets import TINY_VAE
@@ -117,7 +118,7 @@ def sample_images(seed: int, shards: int = SHARDS, per_shard: int = PER_SHARD) -
 
 
 def to_unit_range(images: torch.Tensor) -> torch.Tensor:
-    """uint8 NCHW -> float32 in [-1, 1], as encode.images.to_model_input does per image."""
+    """uint8 NCHW -> float32 in [-1, 1], as encode.process.images.to_model_input does per image."""
     return images.float() / UINT8_HALF - 1.0
 
 

@@ -1,0 +1,143 @@
+"""Read columns of earlier partition outputs back, by key, so unchanged work is copied instead of recomputed.
+
+Rows are read with Streaming's own MDS reader from a local copy of the partition folder (downloaded first
+when the output lives in S3). Copied arrays are bit-identical to what was stored. Only a key -> row
+location map is held in memory; arrays are read when a row is written (a 10k-sample SD2 partition holds
+~2 GB of embeddings, too much to keep per worker).
+
+A stored output is only a cache of work that can be redone from the source, and whoever can write the
+output bucket can plant one: before any row is read, its index must declare exactly the contract's columns
+and encodings (an undeclared `pkl` column would run code when a row is decoded) and plain shard file names.
+A folder that fails the check is not reused: its rows are encoded again from the source, so nothing good
+is lost and nothing planted is read.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from encode.plan.fingerprints import ReuseSource
+from encode.plan.integrity import UnsafeOutputError, check_shard_entry
+from shared import contract, storage
+from shared.manifest import INDEX_NAME
+
+log = logging.getLogger("encode")
+
+
+def open_mds_readers(folder: str | Path, shapes: contract.Shapes | None = None) -> list[Any]:
+    """Streaming's shard readers for a local MDS folder (one partition output), decompressing if needed.
+
+    Raises UnsafeOutputError, before reading a row, if the index is not what the contract declares.
+    """
+    from streaming.base.compression import decompress
+    from streaming.base.format import reader_from_json
+
+    folder = str(folder)
+    index_uri = os.path.join(folder, INDEX_NAME)
+    try:
+        index = json.loads(Path(index_uri).read_text())
+        entries = index["shards"]
+    except (ValueError, KeyError, TypeError) as err:
+        raise UnsafeOutputError(f"{index_uri} is not an MDS index ({err})") from err
+    if not isinstance(entries, list):
+        raise UnsafeOutputError(f"{index_uri} is not an MDS index (its shards are not a list)")
+    for info in entries:
+        check_shard_entry(info, index_uri, shapes)
+    readers = []
+    for info in entries:
+        reader = reader_from_json(folder, None, info)
+        raw_path = os.path.join(folder, reader.raw_data.basename)
+        if not os.path.exists(raw_path) and reader.zip_data is not None:
+            zipped = Path(folder, reader.zip_data.basename).read_bytes()
+            Path(raw_path).write_bytes(decompress(reader.compression, zipped))
+        readers.append(reader)
+    return readers
+
+
+def iter_mds_rows(folder: str | Path) -> Iterator[dict[str, Any]]:
+    """Every row of a local MDS folder, in write order."""
+    for reader in open_mds_readers(folder):
+        yield from reader
+
+
+RowRef = tuple[Any, int]  # (shard reader, row index in that shard)
+
+
+@dataclass
+class ReuseTable:
+    """key -> where reusable columns of that key are stored. Call `close()` when the partition is done."""
+
+    text: dict[str, tuple[str, RowRef]] = field(default_factory=dict)  # key -> (raw caption, row)
+    latents: dict[int, dict[str, RowRef]] = field(default_factory=dict)  # res -> key -> row
+    _tmpdirs: list[str] = field(default_factory=list)
+
+    def text_for(self, key: str, caption: str) -> np.ndarray | None:
+        hit = self.text.get(key)
+        # An embedding is only valid for the exact caption it was computed from (the source may have changed).
+        if hit is None or hit[0] != caption:
+            return None
+        reader, idx = hit[1]
+        return contract.stored_text(reader.get_item(idx))  # embeddings, or token ids (text.store=tokens)
+
+    def has_latents(self, key: str, resolution: int) -> bool:
+        return key in self.latents.get(resolution, {})
+
+    def latents_for(self, key: str, resolution: int) -> tuple[np.ndarray, np.ndarray] | None:
+        ref = self.latents.get(resolution, {}).get(key)
+        if ref is None:
+            return None
+        row = ref[0].get_item(ref[1])
+        return row[contract.LATENT_MEAN], row[contract.LATENT_LOGVAR]
+
+    def close(self) -> None:
+        for tmp in self._tmpdirs:
+            shutil.rmtree(tmp, ignore_errors=True)
+        self._tmpdirs.clear()
+
+
+def load_reuse_table(
+    sources: Sequence[ReuseSource], shapes_for: Callable[[int], contract.Shapes] | None = None
+) -> ReuseTable:
+    """Index reusable rows of earlier outputs (first source wins per key: they come newest first).
+
+    `shapes_for(resolution)`: the contract's shapes there, so a stored folder must match them exactly.
+    A folder the contract does not allow is skipped with a warning: its rows are encoded again.
+    """
+    table = ReuseTable()
+    for source in sources:
+        folder = _local_copy(source.uri, table)
+        if folder is None:
+            continue  # gone (garbage-collected): its work is simply redone
+        try:
+            readers = open_mds_readers(folder, shapes_for(source.resolution) if shapes_for else None)
+        except UnsafeOutputError as err:
+            log.warning("not reusing %s, its rows are encoded again: %s", source.uri, err)
+            continue
+        for reader in readers:
+            for idx in range(reader.samples):
+                row = reader.get_item(idx)
+                key = row[contract.KEY]
+                if source.text and key not in table.text:
+                    table.text[key] = (row[contract.CAPTION], (reader, idx))
+                if source.latents:
+                    table.latents.setdefault(source.resolution, {}).setdefault(key, (reader, idx))
+    return table
+
+
+def _local_copy(uri: str, table: ReuseTable) -> str | None:
+    if not storage.is_s3(uri):
+        return uri if os.path.exists(os.path.join(uri, INDEX_NAME)) else None
+    tmp = tempfile.mkdtemp(prefix="reuse-")
+    table._tmpdirs.append(tmp)
+    storage.download_dir(uri, tmp)
+    return tmp if os.path.exists(os.path.join(tmp, INDEX_NAME)) else None

@@ -1,0 +1,140 @@
+"""The frozen encoders used by encode: VAE and text tower on the chosen device, batched inference.
+
+With text.store=tokens the text side stores the tokenizer's ids (uint16) instead of running the tower;
+the tower is still loaded, because the manifest records its weights hash and the empty-caption embedding.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from encode.config import EncodeConfig
+from encode.plan.fingerprints import EncoderIds
+from encode.process.images import UINT8_MAX
+from shared import contract
+from shared.encoders import TOKENS, EncoderIdentity
+from shared.models import TextEncoder, build_text_encoder, build_vae, weights_fingerprint
+from shared.presets import Preset, get_preset
+from shared.runtime import autocast, pick_torch_device
+
+
+def tokenizer_fingerprint(text: TextEncoder) -> str:
+    vocab = text.tokenizer.get_vocab() if hasattr(text.tokenizer, "get_vocab") else text.tokenizer.encoder
+    blob = json.dumps(sorted(vocab.items()), separators=(",", ":")).encode()
+    return f"{text.backend}:{hashlib.sha256(blob).hexdigest()}"
+
+
+def host_pixel_batch(pixels: Sequence[np.ndarray], pin: bool) -> torch.Tensor:
+    """uint8 HWC images of one size -> one uint8 NHWC tensor, in page-locked memory when `pin` (a CUDA
+    copy from pinned memory runs asynchronously; from pageable memory it is staged and synchronous)."""
+    if not pixels:
+        raise ValueError("host_pixel_batch needs at least one image")
+    for p in pixels:
+        if p.ndim != 3 or p.shape[2] != 3 or p.dtype != np.uint8 or p.shape != pixels[0].shape:
+            raise ValueError(f"expected uint8 HxWx3 RGB pixels of one size, got {p.dtype} {p.shape}")
+    batch = torch.empty((len(pixels), *pixels[0].shape), dtype=torch.uint8, pin_memory=pin)
+    np.stack(pixels, out=batch.numpy())
+    return batch
+
+
+def pixels_to_vae_input(batch: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """uint8 NHWC -> NCHW in [-1, 1] in `dtype` (the VAE's), what the SD VAE encoder expects.
+
+    Same arithmetic as `encode.process.images.to_model_input` (x / 127.5 - 1). The NCHW view of NHWC data is
+    channels_last, which cuDNN convolutions prefer; on CPU the batch is made contiguous NCHW, the layout
+    the CPU kernels were validated with.
+    """
+    nchw = batch.permute(0, 3, 1, 2).to(dtype).div_(UINT8_MAX / 2.0).sub_(1.0)
+    return nchw if batch.device.type == "cuda" else nchw.contiguous()
+
+
+@dataclass
+class Encoders:
+    preset: Preset
+    vae: Any
+    text: TextEncoder
+    device: torch.device
+    precision: str
+    ids: EncoderIds
+    # How many captions / images went through each model in this process (tests and metrics read these).
+    texts_encoded: int = 0
+    images_encoded: int = 0
+
+    def shapes(self, resolution: int, store: str = "embeddings") -> contract.Shapes:
+        return contract.Shapes(self.preset.latent_shape(resolution), self.preset.text_shape(), store)
+
+    def _autocast(self) -> Any:
+        return autocast(self.device, self.precision)  # CPU: fp32 (shared/runtime.py says why)
+
+    def encode_text(self, captions: Sequence[str], store: str = "embeddings") -> np.ndarray:
+        """What text.store keeps per caption: embeddings [B, L, D] float32, or token ids [B, L] uint16."""
+        self.texts_encoded += len(captions)
+        if store == TOKENS:
+            return self.tokenize(captions)
+        with self._autocast():
+            return self.text.encode(list(captions)).float().cpu().numpy()
+
+    def tokenize(self, captions: Sequence[str]) -> np.ndarray:
+        ids = self.text.tokenize(list(captions)).cpu().numpy()
+        return contract.text_cell(ids)[contract.TEXT_TOKENS]  # refuses ids outside uint16
+
+    def empty_caption_tokens(self) -> np.ndarray:
+        """The empty caption's ids: train swaps them in for caption dropout with text.store=tokens."""
+        return self.tokenize([""])[0]
+
+    def identity(self, cfg: EncodeConfig) -> EncoderIdentity:
+        """What the manifest records about these encoders (shared/encoders.py)."""
+        enc = cfg.encoder
+        return EncoderIdentity(
+            preset=cfg.preset,
+            pretrained=enc.pretrained,
+            text_backend=enc.text_backend,
+            open_clip_checkpoint=enc.open_clip_checkpoint,
+            vae_hash=self.ids.vae,
+            text_hash=self.ids.text,
+            tokenizer_hash=self.ids.tokenizer,
+            text_store=cfg.text.store,
+        )
+
+    def encode_images(self, pixels: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        """uint8 HWC images of one size -> unscaled posterior (mean, logvar), float32.
+
+        The batch crosses to the device as uint8 (a quarter of float32's bytes: 100 MB instead of 400 MB
+        for 128 x 512 px) and becomes [-1, 1] floats there.
+        """
+        self.images_encoded += len(pixels)
+        host = host_pixel_batch(pixels, pin=self.device.type == "cuda")
+        with torch.inference_mode(), self._autocast():
+            batch = pixels_to_vae_input(host.to(self.device, non_blocking=True), self.vae.dtype)
+            dist = self.vae.encode(batch).latent_dist
+        return dist.mean.float().cpu().numpy(), dist.logvar.float().cpu().numpy()
+
+    def empty_caption_embedding(self) -> np.ndarray:
+        """The embedding train swaps in for caption dropout (classifier-free guidance)."""
+        with self._autocast():
+            return self.text.encode([""]).float().cpu().numpy()[0].astype(contract.TEXT_DTYPE)
+
+
+def load_encoders(cfg: EncodeConfig) -> Encoders:
+    preset = get_preset(cfg.preset)
+    device = pick_torch_device(cfg.encoder.device)
+    vae = build_vae(preset, cfg.encoder.pretrained)
+    text = build_text_encoder(
+        preset, cfg.encoder.text_backend, cfg.encoder.pretrained, cfg.encoder.open_clip_checkpoint
+    )
+    # Fingerprint on CPU in fp32 before moving, so the identity does not depend on the device.
+    ids = EncoderIds(
+        vae=weights_fingerprint(vae), text=text.fingerprint(), tokenizer=tokenizer_fingerprint(text)
+    )
+    vae.to(device)
+    if device.type == "cuda":
+        vae.to(memory_format=torch.channels_last)
+    text.to(device)
+    return Encoders(preset, vae, text, device, cfg.encoder.precision, ids)

@@ -1,0 +1,185 @@
+"""The data side of encoding, run in worker processes: read, select, decode once, resize; or reuse.
+
+Each worker takes whole partitions and yields, in input order, one `PreparedSample` per kept sample and a
+final `PartitionEnd` with the partition's counts. The main process only runs the models and writes. A
+failure that is not about one sample (the input file vanished, S3 is down) ends the partition with
+`error` set: its staged output is dropped and no done-marker is written, so a rerun retries it.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch.utils.data
+
+from encode.config import EncodeConfig
+from encode.plan.fingerprints import PartitionPlan
+from encode.plan.reuse import ReuseTable, load_reuse_table
+from encode.process.filters import (
+    caption_reject_reason,
+    clean_caption,
+    metadata_reject_reason,
+    missing_safety_reasons,
+    size_reject_reason,
+)
+from encode.process.images import ImageRejected, probe_size, resize_for_resolutions
+from encode.sources import RawSample, Rejected, read_partition
+from shared import contract
+from shared.presets import get_preset
+
+
+@dataclass
+class PreparedSample:
+    partition: str
+    key: str
+    caption: str  # raw, as stored in the MDS `caption` column
+    text_input: str  # cleaned: what the text encoder sees
+    text_embedding: np.ndarray | None  # reused (token ids with text.store=tokens), or None: to encode
+    pixels: dict[int, np.ndarray] = field(default_factory=dict)  # res -> uint8 HWC, to encode
+    latents: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)  # res -> reused
+
+
+@dataclass
+class PartitionEnd:
+    partition: str
+    samples_read: int = 0
+    rejected: Counter[str] = field(default_factory=Counter)
+    smaller_than_resolution: Counter[int] = field(default_factory=Counter)
+    # kept samples a safety check passed only because their score was missing (filter.missing_safety)
+    admitted_unchecked: Counter[str] = field(default_factory=Counter)
+    seconds: float = 0.0
+    error: str | None = None
+
+
+@dataclass
+class _Selected:
+    caption: str
+    text_input: str
+    size: tuple[int, int]
+    unchecked: list[str]  # safety checks passed for lack of a score, e.g. ["punsafe_missing"]
+
+
+def select_sample(sample: RawSample, cfg: EncodeConfig) -> _Selected | str:
+    """The sample's cleaned caption and size, or the reason it is dropped (first failing check wins)."""
+    if sample.image is None or not sample.image:
+        return "missing_image" if sample.image is None else "empty_image_file"
+    if sample.caption is None:
+        return "missing_caption"
+    caption = sample.caption[: cfg.source.max_caption_chars]  # stored this way too (see SourceConfig)
+    text_input = clean_caption(caption, cfg.caption)
+    reason = caption_reject_reason(text_input, cfg.filter) or metadata_reject_reason(sample.meta, cfg.filter)
+    if reason:
+        return reason
+    unchecked = missing_safety_reasons(sample.meta, cfg.filter)
+    if unchecked and cfg.filter.missing_safety == "reject":
+        return unchecked[0]
+    try:
+        size = probe_size(sample.image, cfg.filter.max_pixels)
+    except ImageRejected as err:
+        return err.reason
+    reason = size_reject_reason(size[0], size[1], cfg.filter)
+    return reason or _Selected(caption, text_input, size, unchecked)
+
+
+def prepare_sample(
+    sample: RawSample,
+    chosen: _Selected,
+    plan: PartitionPlan,
+    reuse: ReuseTable,
+    cfg: EncodeConfig,
+    end: PartitionEnd,
+) -> PreparedSample | None:
+    """Reuse what fits, decode once for the rest; None if the image turns out undecodable."""
+    out = PreparedSample(
+        plan.partition.id,
+        sample.key,
+        chosen.caption,
+        chosen.text_input,
+        reuse.text_for(sample.key, chosen.caption),
+    )
+    shorter = min(chosen.size)
+    wanted = []
+    for res in cfg.transform.resolutions:
+        if shorter < res:
+            end.smaller_than_resolution[res] += 1  # never upscaled: simply absent at this resolution
+        elif (hit := reuse.latents_for(sample.key, res)) is not None:
+            out.latents[res] = hit
+        else:
+            wanted.append(res)
+    if wanted:
+        try:  # JPEGs >= 2x a resolution decode at a reduced scale (encode/process/images.py)
+            resized = resize_for_resolutions(
+                sample.image or b"", cfg.filter.max_pixels, wanted, cfg.transform.resample
+            )
+        except ImageRejected as err:
+            end.rejected[err.reason] += 1
+            return None
+        for res in wanted:
+            pixels = resized[res]
+            if pixels is None:
+                end.smaller_than_resolution[res] += 1
+            else:
+                out.pixels[res] = pixels
+    return out
+
+
+def contract_shapes(cfg: EncodeConfig) -> Callable[[int], contract.Shapes]:
+    """The contract's row shapes at any resolution for this config's preset (what reused rows must have)."""
+    preset = get_preset(cfg.preset)
+    return lambda res: contract.Shapes(preset.latent_shape(res), preset.text_shape(), cfg.text.store)
+
+
+def prepare_partition(plan: PartitionPlan, cfg: EncodeConfig) -> Iterator[PreparedSample | PartitionEnd]:
+    """Every kept sample of one partition, then its counts. Never raises."""
+    end = PartitionEnd(plan.partition.id)
+    start = time.perf_counter()
+    reuse = ReuseTable()
+    try:
+        reuse = load_reuse_table(plan.reuse, contract_shapes(cfg))
+        for item in read_partition(plan.partition, cfg.source):
+            if isinstance(item, Rejected):
+                end.samples_read += item.count
+                end.rejected[item.reason] += item.count
+                continue
+            end.samples_read += 1
+            chosen = select_sample(item, cfg)
+            if isinstance(chosen, str):
+                end.rejected[chosen] += 1
+                continue
+            prepared = prepare_sample(item, chosen, plan, reuse, cfg, end)
+            if prepared is not None:
+                end.admitted_unchecked.update(chosen.unchecked)
+                yield prepared
+    except Exception as err:  # not a per-sample problem: retry the whole partition on the next run
+        end.error = f"{type(err).__name__}: {err}\n{traceback.format_exc(limit=3)}"
+    finally:
+        reuse.close()
+    end.seconds = time.perf_counter() - start
+    yield end
+
+
+class PreparedStream(torch.utils.data.IterableDataset):
+    """Partitions spread over DataLoader workers; each worker walks its partitions in order.
+
+    Batches are later formed within a partition only, so the output does not depend on the worker count.
+    """
+
+    def __init__(self, plans: Sequence[PartitionPlan], cfg: EncodeConfig):
+        self.plans = list(plans)
+        self.cfg = cfg
+
+    def __iter__(self) -> Iterator[PreparedSample | PartitionEnd]:
+        info = torch.utils.data.get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info else (0, 1)
+        for plan in self.plans[worker::workers]:
+            yield from prepare_partition(plan, self.cfg)
+
+
+def keep_as_is(item: PreparedSample | PartitionEnd) -> PreparedSample | PartitionEnd:
+    """DataLoader `collate_fn` for batch_size=None: items cross the process boundary untouched."""
+    return item

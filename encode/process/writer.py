@@ -1,0 +1,165 @@
+"""Write one partition's rows with MDSWriter into staging, then publish atomically and mark it done.
+
+Publishing order is what makes kill -9 safe at any moment: (1) shards are written to a staging folder,
+(2) moved (local: one rename) or uploaded (S3) to a folder named by the output fingerprint, which no
+published version references yet, (3) the done-marker is written with one atomic PUT/rename. A run killed
+before (3) leaves no marker, so the partition is redone from scratch and its folder overwritten.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+import time
+import uuid
+from collections import Counter
+from datetime import UTC, datetime
+from pathlib import Path
+
+import numpy as np
+
+from encode.config import EncodeConfig
+from encode.plan.fingerprints import DoneMarker, PartitionPlan, StageFingerprints
+from encode.process.prepare import PartitionEnd
+from shared import contract, storage
+from shared.manifest import INDEX_NAME, Layout, fingerprint
+
+# encode/pipeline.py publishes (and so discards) a partition on a background thread while the main thread
+# opens the next partition's writer: the empty-root cleanup in `discard` and a writer creating its folder
+# under that root take turns, or the root could be removed (or recreated without mode 0700) in between.
+_STAGING_LOCK = threading.Lock()
+
+
+def staging_root(layout: Layout) -> Path:
+    """Local outputs stage beside the data so publishing is a same-filesystem rename; S3 outputs stage in
+    `<tmp>/sd-encode-staging-<uid>`, private to this user (a fixed shared path could be planted)."""
+    if storage.is_s3(layout.root):
+        return storage.private_temp_dir("sd-encode-staging", "TMPDIR (the environment variable)")
+    return Path(layout.root) / "_staging"
+
+
+def staging_prefix(layout: Layout, partition_id: str) -> str:
+    """The name every staging folder of this job's partition starts with: `<hash of output.uri>.<id>.`.
+
+    Staging roots can be shared by several encode jobs (all S3 outputs of a user share one), so a folder
+    is ours only if it names both our output and our partition.
+    """
+    return f"{fingerprint(layout.root.rstrip('/'))[:12]}.{partition_id}."
+
+
+def remove_stale_staging(layout: Layout, partition_ids: list[str]) -> None:
+    """Drop staging folders a killed run of this job left for these partitions (each partition has one
+    owner rank); folders of other jobs or other partitions are never touched."""
+    root = staging_root(layout)
+    if not root.exists():
+        return
+    prefixes = tuple(staging_prefix(layout, pid) for pid in partition_ids)
+    for folder in root.iterdir():
+        if folder.name.startswith(prefixes) and folder.is_dir() and not folder.is_symlink():
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+class PartitionWriter:
+    """One MDSWriter per resolution for one partition; rows arrive in input order."""
+
+    def __init__(
+        self,
+        plan: PartitionPlan,
+        cfg: EncodeConfig,
+        layout: Layout,
+        shapes: dict[int, contract.Shapes],
+    ):
+        from streaming import MDSWriter
+
+        self.plan, self.cfg, self.layout = plan, cfg, layout
+        self.started = time.perf_counter()
+        self.rows: Counter[int] = Counter()
+        self.encoded: Counter[str] = Counter()
+        self.reused: Counter[str] = Counter()
+        self.finished = False
+        with _STAGING_LOCK:  # the staging root must not vanish between its check and our mkdir
+            self.staging = (
+                staging_root(layout) / f"{staging_prefix(layout, plan.partition.id)}{uuid.uuid4().hex[:8]}"
+            )
+            self.writers = {
+                res: MDSWriter(
+                    out=str(self.staging / str(res)),
+                    columns=contract.mds_columns(shapes[res]),
+                    compression=cfg.output.compression,
+                    size_limit=cfg.output.shard_size_limit,
+                    hashes=[contract.SHARD_HASH],  # train verifies each shard against it on first read
+                    exist_ok=True,
+                )
+                for res in shapes
+            }
+
+    def write(
+        self,
+        key: str,
+        caption: str,
+        text_embedding: np.ndarray,
+        latents: dict[int, tuple[np.ndarray, np.ndarray]],
+    ) -> None:
+        for res, (mean, logvar) in latents.items():
+            self.writers[res].write(contract.make_row(key, caption, mean, logvar, text_embedding))
+            self.rows[res] += 1
+
+    def count(self, stage: str, reused: bool, n: int = 1) -> None:
+        (self.reused if reused else self.encoded)[stage] += n
+
+    def publish(self, end: PartitionEnd, stages: StageFingerprints) -> DoneMarker:
+        """Finish shards, move them into place, then write the done-marker (the commit point)."""
+        for writer in self.writers.values():
+            writer.finish()
+        self.finished = True
+        outputs = {res: self._publish_resolution(res) for res in self.writers}
+        marker = DoneMarker(
+            partition=self.plan.partition.id,
+            recipe=self.plan.recipe,
+            source=self.plan.source,
+            select=stages.select,
+            text=stages.text,
+            image=dict(stages.image),
+            outputs=outputs,
+            samples_read=end.samples_read,
+            rejected=dict(end.rejected),
+            admitted_unchecked=dict(end.admitted_unchecked),
+            smaller_than_resolution={res: end.smaller_than_resolution.get(res, 0) for res in self.writers},
+            encoded=_counts(self.encoded),
+            reused=_counts(self.reused),
+            seconds=round(time.perf_counter() - self.started, 3),
+            finished=datetime.now(UTC).isoformat(timespec="microseconds"),
+        )
+        storage.write_json(self.layout.done_marker(marker.partition, marker.recipe), marker.to_json())
+        self.discard()
+        return marker
+
+    def _publish_resolution(self, res: int) -> dict[str, object]:
+        """Move one resolution's shards into place. The marker keeps their index entries, so publishing
+        a version never re-reads tens of thousands of partition indexes."""
+        local = self.staging / str(res)
+        if not self.rows[res]:
+            return {"dir": None, "num_samples": 0, "bytes": 0, "shards": []}
+        size = sum(p.stat().st_size for p in local.iterdir() if p.is_file())
+        shards = json.loads((local / INDEX_NAME).read_text())["shards"]
+        dirname = self.plan.outputs[res]
+        storage.upload_dir(local, self.layout.partition_output(res, dirname))
+        return {"dir": dirname, "num_samples": self.rows[res], "bytes": size, "shards": shards}
+
+    def discard(self) -> None:
+        if not self.finished:  # close the writers' threads and files before deleting what they wrote
+            for writer in self.writers.values():
+                writer.finish()
+            self.finished = True
+        shutil.rmtree(self.staging, ignore_errors=True)
+        parent = self.staging.parent
+        with _STAGING_LOCK:
+            if parent.exists() and not os.listdir(parent):
+                parent.rmdir()
+
+
+def _counts(counter: Counter[str]) -> dict[str, object]:
+    latents = {k.split(":")[1]: v for k, v in counter.items() if k.startswith("latents:")}
+    return {"text": counter.get("text", 0), "latents": latents}

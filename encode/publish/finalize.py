@@ -1,0 +1,357 @@
+"""Publish a dataset version once every partition is done; delete what no kept version needs (`gc`).
+
+Publishing writes, in order: each resolution's merged index under versions/<vid>/, that version's manifest,
+the current per-resolution index, metrics.json, and last the root manifest.json (the commit point). Earlier
+versions and their partition folders are left alone until `encode gc`, so a training job streaming an older
+version keeps working while a new one is encoded and published; gc also keeps every version a running job
+holds an unexpired lease on (shared/leases.py, written by train/data/lease.py) unless `--force`.
+
+Publishing never drops a finished partition: a done-marker that cannot be read stops it with an error
+naming the marker. gc deletes only what it listed inside the dataset root (encode/plan/integrity.py).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from encode.config import EncodeConfig
+from encode.plan.fingerprints import (
+    IMAGE_CODE_VERSION,
+    SELECT_CODE_VERSION,
+    TEXT_CODE_VERSION,
+    DoneMarker,
+    PartitionPlan,
+    StageFingerprints,
+    list_markers,
+    plan_partitions,
+    read_markers,
+    stage_fingerprints,
+)
+from encode.plan.integrity import is_inside, is_output_dir, is_version_id, marker_location
+from encode.process.encoders import Encoders
+from encode.sources import list_partitions
+from shared import storage
+from shared.config import config_to_dict
+from shared.encoders import TOKENS
+from shared.leases import live_leases
+from shared.manifest import DatasetManifest, Layout, ResolutionInfo, fingerprint, read_manifest
+
+log = logging.getLogger("encode")
+UNFINISHED_SHOWN = 10
+
+
+class NotFinishedError(RuntimeError):
+    """Some partitions have no done-marker for the current config yet."""
+
+
+class UnreadableMarkersError(NotFinishedError):
+    """Some finished partitions' done-markers cannot be used: a version without them would drop their data."""
+
+    def __init__(self, unreadable: dict[str, str]) -> None:
+        shown = sorted(unreadable.items())[:UNFINISHED_SHOWN]
+        lines = "\n".join(f"  {uri}: {reason}" for uri, reason in shown)
+        more = f"\n  ... and {len(unreadable) - len(shown)} more" if len(unreadable) > len(shown) else ""
+        partitions = sorted({marker_location(uri)[0] for uri in unreadable})
+        super().__init__(
+            f"{len(unreadable)} done-markers cannot be read, so partitions {', '.join(partitions[:10])} "
+            f"would be missing from the new version; nothing was published:\n{lines}{more}\n"
+            "Delete these marker files and rerun `make encode` (it redoes only those partitions)."
+        )
+        self.unreadable = unreadable
+
+
+@dataclass
+class PublishResult:
+    manifest: DatasetManifest
+    new_version: bool
+
+
+def current_plans(cfg: EncodeConfig, encoders: Encoders) -> tuple[list[PartitionPlan], StageFingerprints]:
+    layout = Layout(cfg.output.uri)
+    stages = stage_fingerprints(cfg, encoders.ids)
+    plans = plan_partitions(list_partitions(cfg.source), stages, layout, list_markers(layout))
+    return plans, stages
+
+
+def require_all_done(plans: Sequence[PartitionPlan]) -> list[DoneMarker]:
+    missing = [p.partition.id for p in plans if not p.is_done]
+    if missing:
+        shown = ", ".join(missing[:UNFINISHED_SHOWN]) + (" ..." if len(missing) > UNFINISHED_SHOWN else "")
+        raise NotFinishedError(
+            f"{len(missing)} of {len(plans)} partitions are not encoded for this config yet ({shown}); "
+            "wait for running ranks, or rerun `make encode` (it redoes only unfinished partitions)"
+        )
+    reads = read_markers([p.done_uri for p in plans if p.done_uri])
+    if reads.unreadable:
+        raise UnreadableMarkersError(reads.unreadable)
+    return reads.markers
+
+
+def merged_index(markers: Sequence[DoneMarker], resolution: int) -> dict[str, Any]:
+    """One MDS index over every partition's shards (what streaming's `merge_index` makes), in partition order.
+
+    Built from the shard entries each done-marker keeps rather than with `merge_index`, which would read
+    every partition's index.json again, and because each version's index lives under versions/<vid>/ while
+    its shards stay under the resolution's stream root: basenames are relative to that root.
+    """
+    shards = []
+    for marker in markers:
+        out = marker.outputs.get(resolution, {})
+        for shard in copy.deepcopy(out.get("shards", [])):
+            for part in ("raw_data", "zip_data", "raw_meta", "zip_meta"):
+                if shard.get(part):
+                    shard[part]["basename"] = f"{out['dir']}/{shard[part]['basename']}"
+            shards.append(shard)
+    return {"version": 2, "shards": shards}
+
+
+def dataset_fingerprint(stages: StageFingerprints, markers: Sequence[DoneMarker]) -> str:
+    return fingerprint(
+        [stages.select, stages.text, sorted(stages.image.items()), [m.recipe for m in markers]]
+    )
+
+
+def build_manifest(
+    cfg: EncodeConfig, encoders: Encoders, stages: StageFingerprints, markers: Sequence[DoneMarker], vid: str
+) -> DatasetManifest:
+    resolutions = {}
+    for res in cfg.transform.resolutions:
+        outs = [m.outputs.get(res, {}) for m in markers]
+        resolutions[res] = ResolutionInfo(
+            num_samples=sum(o.get("num_samples", 0) for o in outs),
+            shapes=encoders.shapes(res, cfg.text.store),
+            bytes=sum(o.get("bytes", 0) for o in outs),
+            smaller_than_resolution=sum(m.smaller_than_resolution.get(res, 0) for m in markers),
+            fingerprint=fingerprint([stages.image[res], [o.get("dir") for o in outs]]),
+        )
+    identity = encoders.identity(cfg)
+    rejected: Counter[str] = Counter()
+    unchecked: Counter[str] = Counter()
+    for marker in markers:
+        rejected.update(marker.rejected)
+        unchecked.update(marker.admitted_unchecked)
+    return DatasetManifest(
+        version=vid,
+        # Microseconds, as done-markers' `finished`: gc tells a newer run's markers from older ones by it
+        created=datetime.now(UTC).isoformat(timespec="microseconds"),
+        preset=cfg.preset,
+        scale_factor=float(encoders.vae.config.scaling_factor),
+        resolutions=resolutions,
+        rejected=dict(sorted(rejected.items())),
+        samples_read=sum(m.samples_read for m in markers),
+        fingerprints={
+            "dataset": dataset_fingerprint(stages, markers),
+            "select": stages.select,
+            "text": stages.text,
+            "image": {str(r): fp for r, fp in stages.image.items()},
+            "encoders": identity.fingerprints(),
+            "code_versions": {
+                "select": SELECT_CODE_VERSION,
+                "text": TEXT_CODE_VERSION,
+                "image": IMAGE_CODE_VERSION,
+            },
+        },
+        empty_caption_embedding=encoders.empty_caption_embedding(),
+        encoder=identity,
+        empty_caption_tokens=encoders.empty_caption_tokens() if identity.text_store == TOKENS else None,
+        partitions=[
+            {
+                "id": m.partition,
+                "recipe": m.recipe,
+                "dirs": {str(r): o.get("dir") for r, o in m.outputs.items()},
+            }
+            for m in markers
+        ],
+        config=config_to_dict(cfg),
+        # kept although a safety check had no score to test (filter.missing_safety=admit)
+        extra={"admitted_unchecked": dict(sorted(unchecked.items()))},
+    )
+
+
+def publish(cfg: EncodeConfig, encoders: Encoders) -> PublishResult:
+    """Merge every partition's index into a new version and make it current (no-op if nothing changed)."""
+    layout = Layout(cfg.output.uri)
+    plans, stages = current_plans(cfg, encoders)
+    markers = require_all_done(plans)
+    fp = dataset_fingerprint(stages, markers)
+    current = _current_manifest(layout)
+    if current is not None and current.dataset_fingerprint == fp:
+        return PublishResult(current, new_version=False)
+    vid = f"{datetime.now(UTC).strftime('%Y%m%dT%H%M%S%fZ')}-{fp[:8]}"
+    manifest = build_manifest(cfg, encoders, stages, markers, vid)
+    for res in cfg.transform.resolutions:
+        index = merged_index(markers, res)
+        storage.write_json(layout.version_index(vid, res), index)
+        storage.write_json(layout.current_index(res), index)
+    storage.write_json(layout.version_manifest(vid), manifest.to_json())
+    storage.write_json(layout.metrics, dataset_metrics(manifest, markers))
+    storage.write_json(layout.manifest, manifest.to_json())  # the commit point
+    return PublishResult(manifest, new_version=True)
+
+
+def _current_manifest(layout: Layout) -> DatasetManifest | None:
+    try:
+        return read_manifest(layout.root)
+    except FileNotFoundError:
+        return None
+
+
+def dataset_metrics(manifest: DatasetManifest, markers: Sequence[DoneMarker]) -> dict[str, Any]:
+    """Machine-readable totals of the version (per-run throughput is logged by each rank)."""
+    per_res = {}
+    for res, info in manifest.resolutions.items():
+        encoded = sum(m.encoded["latents"].get(str(res), 0) for m in markers)
+        reused = sum(m.reused["latents"].get(str(res), 0) for m in markers)
+        per_res[str(res)] = {
+            "num_samples": info.num_samples,
+            "bytes": info.bytes,
+            "bytes_per_sample": round(info.bytes / info.num_samples, 1) if info.num_samples else None,
+            "smaller_than_resolution": info.smaller_than_resolution,
+            "latents_encoded": encoded,
+            "latents_reused": reused,
+        }
+    return {
+        "version": manifest.version,
+        "samples_read": manifest.samples_read,
+        "rejected": manifest.rejected,
+        "admitted_unchecked": manifest.extra.get("admitted_unchecked", {}),
+        "resolutions": per_res,
+        "text_encoded": sum(m.encoded["text"] for m in markers),
+        "text_reused": sum(m.reused["text"] for m in markers),
+        "partition_seconds": round(sum(m.seconds for m in markers), 3),
+    }
+
+
+@dataclass
+class GcReport:
+    kept_versions: list[str]
+    deleted_versions: list[str]
+    deleted_partition_dirs: list[str]
+    deleted_markers: int
+    # done-markers that cannot be read (uri -> reason): left in place, with the data they may name
+    unreadable_markers: dict[str, str] = field(default_factory=dict)
+    # listed paths that resolve outside the dataset root (links): never deleted
+    refused: list[str] = field(default_factory=list)
+    # version -> the jobs holding an unexpired lease on it (shared/leases.py)
+    leased: dict[str, list[str]] = field(default_factory=dict)
+    # leased versions deleted anyway (--force)
+    forced: list[str] = field(default_factory=list)
+
+
+def list_versions(layout: Layout) -> list[str]:
+    """Published version ids, newest first (ids start with a UTC timestamp); other names are ignored."""
+    prefix = storage.join(layout.root, "versions")
+    vids = {storage.relpath(info.uri, prefix).split("/")[0] for info in storage.list_files(prefix)}
+    return sorted((v for v in vids if is_version_id(v)), reverse=True)
+
+
+def collect_garbage(
+    layout: Layout, keep: int = 1, dry_run: bool = False, force: bool = False, now: float | None = None
+) -> GcReport:
+    """Delete versions beyond the `keep` newest (the current one always stays) and unreferenced data.
+
+    A version a training job holds an unexpired lease on (it streams it) is kept too, unless `force`.
+
+    Partition folders and done-markers newer than the current version are kept: they belong to an encode
+    run in progress or not yet finalized. Only what the listing found inside the dataset root is deleted,
+    by the URI it was found at: nothing a marker's contents name is ever turned into a path to delete.
+    """
+    current = read_manifest(layout.root)
+    versions = list_versions(layout)
+    older = [v for v in versions if v != current.version]
+    kept = [current.version, *older[: max(keep - 1, 0)]]
+    leases = live_leases(layout.root, now)
+    clock = time.time() if now is None else now
+    leased = {v: [lease.describe(clock) for lease in leases[v]] for v in versions if v in leases}
+    held = [v for v in older if v in leased and v not in kept]
+    if not force:
+        kept += held
+    manifests = [read_manifest(layout.root, v) for v in kept]
+    wanted_dirs = {(int(r), d) for m in manifests for p in m.partitions for r, d in p["dirs"].items() if d}
+    wanted_recipes = {(p["id"], p["recipe"]) for m in manifests for p in m.partitions}
+    listed = [uri for recipes in list_markers(layout).values() for uri in recipes.values()]
+    reads = read_markers(listed)
+    by_location = {marker_location(uri): uri for uri in listed}
+    deleted_markers, refused = 0, []
+    for marker in reads.markers:
+        if (marker.partition, marker.recipe) in wanted_recipes:
+            continue
+        if finished_after(marker.finished, current.created):  # in-progress work of a newer run
+            wanted_dirs |= {(r, o["dir"]) for r, o in marker.outputs.items() if o.get("dir")}
+            continue
+        deleted_markers += 1
+        if not dry_run:  # marker first: a crash mid-gc never leaves a marker naming deleted data
+            _delete_inside(layout, by_location[(marker.partition, marker.recipe)], False, refused)
+    for uri in reads.unreadable:
+        log.warning("gc leaves unreadable done-marker %s alone (delete it by hand once checked)", uri)
+    deleted_dirs = _delete_unwanted_dirs(layout, current, wanted_dirs, dry_run, refused)
+    stale = [v for v in versions if v not in kept]
+    if not dry_run:
+        for vid in stale:
+            _delete_inside(layout, layout.version_dir(vid), True, refused)
+    forced = held if force else []
+    return GcReport(kept, stale, deleted_dirs, deleted_markers, reads.unreadable, refused, leased, forced)
+
+
+def finished_after(finished: str, created: str) -> bool:
+    """Whether a done-marker finished after a version was created, compared as instants.
+
+    Compared as strings, a marker finished in the same second as a manifest written with second precision
+    (before this was fixed) sorted after it ("56.2+00:00" > "56+00:00"), so gc kept a finished, replaced
+    partition as if a newer run owned it. Such an old `created` is still read as the start of its second,
+    which keeps same-second markers: a marker gc keeps is deleted by a later gc, one it deletes is gone.
+    """
+    return datetime.fromisoformat(finished) > datetime.fromisoformat(created)
+
+
+def describe_gc(report: GcReport, dry_run: bool) -> list[str]:
+    """What `encode gc` prints: kept versions (and which job leases each), then what went."""
+    verb = "would delete" if dry_run else "deleted"
+    lines = [f"kept versions: {', '.join(report.kept_versions)}"]
+    for vid, jobs in sorted(report.leased.items()):
+        state = "DELETED despite --force" if vid in report.forced else "kept"
+        lines += [f"  {vid} {state}: leased by {job}" for job in jobs]
+    lines.append(
+        f"{verb} {len(report.deleted_versions)} versions, {len(report.deleted_partition_dirs)} "
+        f"partition folders, {report.deleted_markers} done-markers"
+    )
+    lines += [f"  {name}" for name in report.deleted_partition_dirs]
+    lines += [
+        f"left alone (unreadable done-marker): {uri}: {why}" for uri, why in report.unreadable_markers.items()
+    ]
+    lines += [f"left alone (outside the dataset root): {uri}" for uri in report.refused]
+    return lines
+
+
+def _delete_unwanted_dirs(
+    layout: Layout, current: DatasetManifest, wanted: set[tuple[int, str]], dry_run: bool, refused: list[str]
+) -> list[str]:
+    """Partition output folders (by encode's own naming) that no kept version or newer marker uses."""
+    deleted = []
+    for res in current.resolutions:
+        root = layout.stream_root(res)
+        dirs = {storage.relpath(i.uri, root).split("/")[0] for i in storage.list_files(root)}
+        for dirname in sorted(d for d in dirs if is_output_dir(d)):
+            if (res, dirname) in wanted:
+                continue
+            deleted.append(f"{res}/{dirname}")
+            if not dry_run:
+                _delete_inside(layout, layout.partition_output(res, dirname), True, refused)
+    return deleted
+
+
+def _delete_inside(layout: Layout, uri: str, tree: bool, refused: list[str]) -> None:
+    """Delete `uri` (a file, or a folder with `tree`) only if it lies inside the dataset root (a link
+    leading out of it, or a planted name, is left alone and reported in `refused`)."""
+    if not is_inside(layout.root, uri):
+        log.warning("gc leaves %s alone: it is not inside the dataset root %s", uri, layout.root)
+        refused.append(uri)
+        return
+    (storage.delete_tree if tree else storage.delete)(uri)

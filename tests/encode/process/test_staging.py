@@ -1,0 +1,103 @@
+"""Encode's staging and shard hashes: staging folders are private and per job, shards carry a hash that
+train verifies on first read."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+
+import pytest
+from streaming.base.hashing import get_hash
+
+from encode.config import EncodeConfig
+from encode.pipeline import RankInfo, run_rank
+from encode.process.encoders import load_encoders
+from encode.process.writer import remove_stale_staging, staging_prefix, staging_root
+from encode.publish.finalize import publish
+from encode.sample_data import build_webdataset
+from shared import contract, storage
+from shared.config import load_config
+from shared.manifest import Layout
+
+RES = 32
+
+
+def small_encode_config(tmp_path: Path) -> EncodeConfig:
+    """tmp_path/wds encoded to tmp_path/out at one small resolution, one worker."""
+    overrides = [
+        f"source.uri={tmp_path / 'wds'}", f"output.uri={tmp_path / 'out'}", "workers=1", "progress=false",
+        f"filter.min_size={RES}", f"transform.resolutions=[{RES}]",
+    ]  # fmt: skip
+    return load_config(EncodeConfig, "sample", overrides, kind="datasets")
+
+
+def test_s3_staging_is_private_to_the_user(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(storage.tempfile, "gettempdir", lambda: str(tmp_path))
+    root = staging_root(Layout("s3://bucket/data"))
+    assert root == tmp_path / f"sd-encode-staging-{os.getuid()}"
+    assert stat.S_IMODE(root.stat().st_mode) == 0o700
+
+
+def test_a_planted_s3_staging_folder_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(storage.tempfile, "gettempdir", lambda: str(tmp_path))
+    planted = tmp_path / f"sd-encode-staging-{os.getuid()}"
+    planted.mkdir()
+    planted.chmod(0o777)  # anyone could drop a folder in it
+    with pytest.raises(storage.StorageError, match=r"writable.*TMPDIR"):
+        staging_root(Layout("s3://bucket/data"))
+
+
+def test_stale_staging_removal_touches_only_this_jobs_partitions(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(storage.tempfile, "gettempdir", lambda: str(tmp_path))
+    mine, other_job = Layout("s3://bucket/mine"), Layout("s3://bucket/theirs")
+    root = staging_root(mine)
+    ours = root / f"{staging_prefix(mine, 'p00001')}deadbeef"
+    kept = [
+        root / f"{staging_prefix(other_job, 'p00001')}deadbeef",  # same partition id, another output
+        root / f"{staging_prefix(mine, 'p00002')}deadbeef",  # our output, a partition we do not own
+        root / "p00001-deadbeef",  # a name of the old scheme: nobody's we can prove
+    ]
+    for folder in [ours, *kept]:
+        folder.mkdir()
+    remove_stale_staging(mine, ["p00001"])
+    assert not ours.exists()
+    assert all(folder.exists() for folder in kept)
+
+
+def test_encoded_shards_record_a_hash_that_train_verifies(tmp_path: Path) -> None:
+    from train.config import DataConfig
+    from train.data.loader import pin_version, read_dataset_manifest
+
+    build_webdataset(tmp_path / "wds", shards=1, per_shard=8, seed=5)
+    cfg = small_encode_config(tmp_path)
+    encoders = load_encoders(cfg)
+    run_rank(cfg, RankInfo(0, 1), encoders)
+    publish(cfg, encoders)
+    layout = Layout(str(tmp_path / "out"))
+    shards = json.loads(Path(layout.current_index(RES)).read_text())["shards"]
+    assert shards
+    for shard in shards:
+        raw = shard["raw_data"]
+        data = (Path(layout.stream_root(RES)) / raw["basename"]).read_bytes()
+        assert raw["hashes"][contract.SHARD_HASH] == get_hash(contract.SHARD_HASH, data)
+    data_cfg = DataConfig(uri=str(tmp_path / "out"), resolution=RES, cache_dir=str(tmp_path / "cache"))
+    assert pin_version(data_cfg, read_dataset_manifest(data_cfg)).hashed
+
+
+def test_rerun_removes_staging_left_by_a_kill_after_the_done_marker(tmp_path: Path) -> None:
+    """A kill between a partition's done-marker and the removal of its staging folder leaves the folder of
+    a partition that is already done: the rerun (with nothing left to encode) removes it too."""
+    build_webdataset(tmp_path / "wds", shards=1, per_shard=4, seed=5)
+    cfg = small_encode_config(tmp_path)
+    encoders = load_encoders(cfg)
+    run_rank(cfg, RankInfo(0, 1), encoders)
+    layout = Layout(str(tmp_path / "out"))
+    [marker] = Path(layout.parts_dir()).glob("*/*.json")
+    left = staging_root(layout) / f"{staging_prefix(layout, marker.parent.name)}deadbeef"
+    (left / str(RES)).mkdir(parents=True)
+    run_rank(cfg, RankInfo(0, 1), encoders)
+    assert not left.exists()

@@ -1,0 +1,128 @@
+"""`encode gc` keeps versions that running training jobs hold leases on (issue 10.5)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from datetime import datetime, timedelta
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from encode.cli import app
+from encode.process.encoders import Encoders, load_encoders
+from encode.publish.finalize import collect_garbage, describe_gc
+from encode.sample_data import build_webdataset
+from shared import leases
+from shared.manifest import Layout, read_manifest
+from tests.encode.test_pipeline import encode, make_cfg
+
+HOUR_S = 3600
+
+
+@pytest.fixture(scope="module")
+def two_versions(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, str, str]:
+    """A dataset with an older version (v1) and the current one (v2), encoded once per module."""
+    base = tmp_path_factory.mktemp("gc")
+    build_webdataset(base / "in", shards=1, per_shard=8, seed=4)
+    encoders: Encoders = load_encoders(make_cfg("unused", "unused"))
+    _, v1 = encode(make_cfg(base / "in", base / "out"), encoders)
+    _, v2 = encode(make_cfg(base / "in", base / "out", "transform.resample=bilinear"), encoders)
+    return base / "in", base / "out", v1.manifest.version, v2.manifest.version
+
+
+@pytest.fixture
+def dataset(two_versions: tuple[Path, Path, str, str], tmp_path: Path) -> tuple[Path, Path, str, str]:
+    src, out, v1, v2 = two_versions
+    shutil.copytree(out, tmp_path / "out")
+    return src, tmp_path / "out", v1, v2
+
+
+def test_gc_keeps_a_leased_version_and_names_the_job(dataset: tuple[Path, Path, str, str]) -> None:
+    _, out, v1, _ = dataset
+    leases.write_lease(str(out), "run-7-host-1", v1, "sd2-phase1-run-7")
+    report = collect_garbage(Layout(str(out)), keep=1)
+    assert v1 in report.kept_versions and not report.deleted_versions
+    assert read_manifest(str(out), v1).version == v1
+    printed = "\n".join(describe_gc(report, dry_run=False))
+    assert f"{v1} kept: leased by job sd2-phase1-run-7" in printed
+
+
+def test_gc_ignores_expired_leases(dataset: tuple[Path, Path, str, str]) -> None:
+    _, out, v1, _ = dataset
+    leases.write_lease(str(out), "crashed", v1, "crashed-run", ttl_s=60, now=time.time() - HOUR_S)
+    report = collect_garbage(Layout(str(out)), keep=1)
+    assert report.deleted_versions == [v1] and not report.leased
+
+
+def test_gc_force_deletes_a_leased_version_through_the_cli(dataset: tuple[Path, Path, str, str]) -> None:
+    src, out, v1, v2 = dataset
+    leases.write_lease(str(out), "live", v1, "live-run")
+    args = ["gc", "sample", f"source.uri={src}", f"output.uri={out}"]
+    kept = CliRunner().invoke(app, args)
+    assert kept.exit_code == 0, kept.output
+    assert "leased by job live-run" in kept.output
+    assert read_manifest(str(out), v1).version == v1
+    forced = CliRunner().invoke(app, [*args, "--force"])
+    assert forced.exit_code == 0, forced.output
+    assert "live-run" in forced.output and "--force" in forced.output
+    with pytest.raises(FileNotFoundError):
+        read_manifest(str(out), v1)
+    assert read_manifest(str(out)).version == v2
+
+
+def test_lease_names_are_validated(tmp_path: Path) -> None:
+    with pytest.raises(leases.LeaseError):
+        leases.lease_uri(str(tmp_path), "../../etc/x")
+    name = leases.lease_name("my run/../x", host="h", pid=1)
+    assert "/" not in name and ".." not in name
+    (tmp_path / "_leases").mkdir()
+    (tmp_path / "_leases" / "junk.json").write_text("{not json")
+    found, unreadable = leases.list_leases(str(tmp_path))
+    assert found == [] and list(unreadable) == [str(tmp_path / "_leases" / "junk.json")]
+
+
+def _set_marker_times(out: Path, finished: str) -> list[Path]:
+    """Give every done-marker the current version does not use the `finished` time; returns them."""
+    used = {(p["id"], p["recipe"]) for p in read_manifest(str(out)).partitions}
+    changed = []
+    for path in sorted((out / "_parts").rglob("*.json")):
+        marker = json.loads(path.read_text())
+        if (marker["partition"], marker["recipe"]) not in used:
+            path.write_text(json.dumps({**marker, "finished": finished}))
+            changed.append(path)
+    assert changed
+    return changed
+
+
+def test_gc_deletes_markers_that_finished_in_the_same_second_before_the_version(
+    dataset: tuple[Path, Path, str, str],
+) -> None:
+    """Flaked under load: the manifest's `created` was cut to the second and compared as a string, so an
+    older partition finished within the second before the new version looked like a newer run's work."""
+    _, out, v1, _ = dataset
+    written = read_manifest(str(out)).created
+    assert "." in written, written  # to the microsecond, as markers' `finished` (it was cut to the second)
+    created = datetime.fromisoformat(written)
+    just_before = (created - timedelta(microseconds=1)).isoformat(timespec="microseconds")
+    replaced = _set_marker_times(out, just_before)
+    report = collect_garbage(Layout(str(out)), keep=1)
+    assert report.deleted_versions == [v1]
+    assert report.deleted_markers == len(replaced) and report.deleted_partition_dirs
+    assert not any(path.exists() for path in replaced)
+
+
+def test_gc_keeps_markers_finished_after_the_version_and_refuses_unreadable_times(
+    dataset: tuple[Path, Path, str, str],
+) -> None:
+    out = dataset[1]
+    created = datetime.fromisoformat(read_manifest(str(out)).created)
+    after = (created + timedelta(microseconds=1)).isoformat(timespec="microseconds")
+    newer = _set_marker_times(out, after)  # a newer run's finished partitions, not yet published
+    report = collect_garbage(Layout(str(out)), keep=1)
+    assert report.deleted_markers == 0 and all(path.exists() for path in newer)
+    _set_marker_times(out, "yesterday")  # a marker is data: a time that does not parse is refused
+    report = collect_garbage(Layout(str(out)), keep=1)
+    assert report.deleted_markers == 0 and len(report.unreadable_markers) == len(newer)

@@ -1,0 +1,114 @@
+"""`make bench`'s scale counters (issue 11) that must stay at zero, or agree with the planner, on any cluster:
+S3 requests per step outside checkpoints, EMA bytes per update under FSDP, collectives per optimizer step at
+the shipped SD2 batch settings (vs shared/estimate/cluster.py's formulas), and checkpoint bytes per rank,
+full vs sharded. The tests call `scale_counters`, the function `make bench` calls; the 2-rank counters come
+from its one spawned job (train/bench/scale.py)."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from train.bench.config import load_bench_config
+from train.bench.report import scale_findings
+from train.bench.run import scale_counters
+from train.bench.scale import planner_bytes_per_param, shipped_settings, summarize_collectives
+from train.bench.scale_s3 import quiet_steps, summarize_requests
+
+# Counted on 2 ranks: SD2's shipped settings gather bf16 params (2 bytes) once and reduce-scatter fp32
+# gradients (4 bytes) once per optimizer step.
+SHIPPED_BYTES_PER_PARAM = {"all_gather": 2.0, "reduce_scatter": 4.0}
+
+
+def counters(tmp_path: Path, *overrides: str) -> dict[str, Any]:
+    return scale_counters(load_bench_config("quick", list(overrides)), tmp_path)
+
+
+def test_quiet_steps_leave_out_start_up_and_two_windows_after_each_checkpoint() -> None:
+    assert quiet_steps(12, 4) == [2, 3, 4, 7, 8, 11, 12]
+    # a request on a quiet step is what the counter reports, by operation
+    by_step = {1: {"GetObject": 3}, 3: {"ListObjectsV2": 1}, 5: {"PutObject": 2}}
+    summary = summarize_requests(by_step, 12, 4)
+    assert summary["requests_per_step_outside_checkpoints"] == 1
+    assert summary["by_operation_outside_checkpoints"] == {"ListObjectsV2": 1}
+    assert summary["by_operation_checkpoint_steps"] == {"PutObject": 2}
+    assert summary["by_operation_start_up"] == {"GetObject": 3}
+
+
+@pytest.mark.s3
+@pytest.mark.slow  # SeaweedFS start-up, and Composer's S3 uploader starts processes that import Composer
+def test_train_job_makes_no_s3_request_per_step_outside_checkpoints(tmp_path: Path) -> None:
+    s3 = counters(tmp_path, "scale.collectives=false")["s3"]
+    assert "skipped" not in s3, s3
+    assert s3["quiet_steps"] == [2, 3, 4, 7, 8, 11, 12]
+    assert s3["requests_per_step_outside_checkpoints"] == 0, s3["requests_per_step"]
+    assert s3["by_operation_outside_checkpoints"] == {}
+    # positive control: the counter sees the checkpoint steps' mirror sync and pruning
+    at_checkpoints = s3["by_operation_checkpoint_steps"]
+    assert at_checkpoints.get("ListObjectsV2", 0) > 0 and at_checkpoints.get("PutObject", 0) > 0, (
+        at_checkpoints
+    )
+    assert any("0 S3 requests per step" in note for note in scale_findings({"s3": s3}))
+
+
+def test_shipped_sd2_settings_run_one_microbatch_per_step_at_256_gpus() -> None:
+    settings = shipped_settings()
+    assert (settings.strategy, settings.grad_accum, settings.microbatch) == ("SHARD_GRAD_OP", 1, 8)
+    assert settings.mixed_precision["param_dtype"] == "amp_bf16"
+    assert settings.mixed_precision["reduce_dtype"] == "fp32"
+    assert planner_bytes_per_param(vars(settings), 1000) == SHIPPED_BYTES_PER_PARAM
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_ema_moves_nothing_and_step_collectives_agree_with_the_planner(tmp_path: Path) -> None:
+    comm = counters(tmp_path, "scale.s3=false", "scale.ckpt_repeats=1")["comm"]
+    # (2) the EMA update under FSDP: no collective at all; the control shows the counter sees FSDP's gathers
+    assert comm["ema_store"] == "ShardedEMAStore"
+    assert comm["ema_update_bytes"] == 0 and comm["ema_update_calls"] == 0
+    assert comm["full_model_gather_bytes"] >= 4 * comm["step_model_params"]  # fp32 weights, gathered
+    # (3) one optimizer step at the shipped settings: the forward gathers the params once, the backward
+    # reduce-scatters the grads once (no accumulation: 2 microbatches would double both), the clipping
+    # norm is one scalar all-reduce, the optimizer communicates nothing. Calls are one per FSDP unit; the
+    # U-Net is wrapped per ResNet / transformer block (train/model/assemble.py `is_fsdp_unit`).
+    phases = comm["step_by_phase"]
+    assert set(phases["forward"]["calls"]) == {"all_gather"}
+    assert set(phases["backward"]["calls"]) == {"reduce_scatter_tensor"}
+    assert phases["clip"]["calls"] == {"all_reduce": 1} and phases["clip"]["bytes"] == 4
+    assert phases["optimizer"]["calls"] == {}
+    assert comm["step_bytes_per_param"] == pytest.approx(SHIPPED_BYTES_PER_PARAM, rel=1e-3)
+    assert comm["planner_agrees"], (comm["step_bytes_per_param"], comm["planner_bytes_per_param"])
+    assert comm["sd2_gb_per_rank_per_step"] == pytest.approx(
+        {"all_gather": 1.725, "reduce_scatter": 3.45}, abs=2e-3
+    )
+    # (4) checkpoints: rank 0 writes all of a full one; a sharded one splits it over both ranks
+    ckpt = comm["checkpoint"]
+    assert ckpt["full"]["max_rank_share"] == 1.0 and ckpt["full"]["bytes_per_rank"][1] == 0
+    assert ckpt["sharded"]["max_rank_share"] < 0.75 and min(ckpt["sharded"]["bytes_per_rank"]) > 0
+    assert ckpt["full"]["seconds_per_save"] > 0 and ckpt["sharded"]["seconds_per_save"] > 0
+    notes = scale_findings({"comm": comm})
+    assert any("moves 0 bytes" in note and "agrees" in note for note in notes), notes
+
+
+def test_planner_disagreement_is_reported() -> None:
+    """A step that gathers twice (e.g. accumulation back at 2) while the planner expects once."""
+    raw = {
+        "params": 1000,
+        "settings": {**vars(shipped_settings()), "grad_accum": 1},
+        "step": {
+            "forward": {"calls": {"all_gather": 2}, "bytes": 2 * 3000},  # 2 bf16 gathers: 2 x 1.5 x 1000 x 2
+            "backward": {"calls": {"reduce_scatter_tensor": 1}, "bytes": 6000},
+            "clip": {"calls": {}, "bytes": 0},
+            "optimizer": {"calls": {}, "bytes": 0},
+        },
+        "ema": {"update": {"calls": {}, "bytes": 0}, "full_gather": {"calls": {}, "bytes": 0}, "store": "x"},
+        "checkpoint": {},
+    }
+    assert summarize_collectives(copy.deepcopy(raw))["step_bytes_per_param"] == {
+        "all_gather": 4.0,
+        "reduce_scatter": 4.0,
+    }
+    assert not summarize_collectives(raw)["planner_agrees"]

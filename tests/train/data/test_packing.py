@@ -1,0 +1,54 @@
+"""One buffer per batch (train/data/packing.py): columns round-trip exactly, views are aligned and zero-copy,
+microbatches split like the unpacked columns, and Streaming counts samples, not bytes."""
+
+from __future__ import annotations
+
+import torch
+
+from shared.contract import LATENT_MEAN
+from train.data.packing import ALIGN, LAYOUT, PACKED, collate_packed, num_samples, split_packed, unpack
+
+
+def rows(n: int) -> list[dict[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(0)
+    return [
+        {
+            LATENT_MEAN: torch.randn(4, 3, 3, generator=gen).half(),  # odd byte sizes: alignment matters
+            "text_tokens": torch.randint(0, 50000, (7,), generator=gen).to(torch.uint16),
+            "sample_seed": torch.tensor(1000 + i, dtype=torch.int64),  # 0-d per row
+            "coin": torch.rand((), generator=gen),
+            "flag": torch.tensor(i % 2 == 0),
+        }
+        for i in range(n)
+    ]
+
+
+def test_a_packed_batch_unpacks_to_the_default_collate_exactly() -> None:
+    batch = collate_packed(rows(5))
+    assert set(batch) == {PACKED, LAYOUT} and batch[PACKED].dtype == torch.uint8
+    expected = torch.utils.data.default_collate(rows(5))
+    columns = unpack(batch)
+    assert list(columns) == list(expected)
+    for name, tensor in expected.items():
+        assert columns[name].dtype == tensor.dtype and torch.equal(columns[name], tensor), name
+        assert columns[name].data_ptr() % ALIGN == batch[PACKED].data_ptr() % ALIGN  # aligned view, no copy
+        assert columns[name].untyped_storage().data_ptr() == batch[PACKED].untyped_storage().data_ptr()
+    assert num_samples(batch) == 5 == num_samples(columns)
+
+
+def test_microbatches_are_packed_slices_of_the_batch() -> None:
+    batch = collate_packed(rows(5))
+    assert split_packed(batch, 8) == [batch] and split_packed(batch, 5) == [batch]
+    parts = split_packed(batch, 2)
+    assert [num_samples(p) for p in parts] == [2, 2, 1]
+    whole = unpack(batch)
+    for name, tensor in whole.items():
+        assert torch.equal(torch.cat([unpack(p)[name] for p in parts]), tensor), name
+
+
+def test_streaming_counts_a_packed_batch_in_samples() -> None:
+    from train.data.loader import _packed_loader_class
+
+    loader = _packed_loader_class().__new__(_packed_loader_class())
+    loader._iterator = None  # what __init__ would set; its __del__ reads it
+    assert loader._get_batch_size(collate_packed(rows(3))) == 3

@@ -1,0 +1,94 @@
+"""On a GPU (skipped without CUDA, see tests/conftest.py): the production switches together, and no host
+sync inside the step (issue 11).
+
+- bf16 + channels_last + compiled U-Net + FSDP (SHARD_GRAD_OP) on one GPU: 10 steps, a resume to 20, an
+  export that StableDiffusionPipeline loads;
+- the step (objective, U-Net forward and backward, optimizer) under `torch.cuda.set_sync_debug_mode`, with
+  its warnings turned into errors: not one sync;
+- the real trainer on the GPU: read-backs only at log and checkpoint steps, as on CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from shared.presets import get_preset
+from shared.runtime import resolve_device_setup
+from tests.train.conftest import tiny_config
+from tests.train.loop.test_step_syncs import LOG_EVERY, SAVE_AT, STEPS, run_counted
+from train.bench.step import StepBench, synthetic_latent_batch, train_step
+from train.export.pipeline import export_pipeline
+from train.loop.trainer import fit
+
+pytestmark = pytest.mark.gpu
+
+PRODUCTION = (
+    "device=gpu",
+    "precision=amp_bf16",
+    "channels_last=true",
+    "compile=true",
+    "samples.enabled=false",
+)
+
+
+def gpu_config(data: str, base: Path, *extra: str) -> Any:
+    return tiny_config(data, base / "save", base / "cache", *PRODUCTION, *extra)
+
+
+def test_bf16_channels_last_compiled_fsdp_trains_resumes_and_exports(
+    tiny_dataset: str, tmp_path: Path
+) -> None:
+    first = fit(gpu_config(tiny_dataset, tmp_path, "fsdp=true", "max_duration=10ba", "save_interval=10ba"))
+    model = first.state.model
+    assert model.unet._compiled_call_impl is not None and model.memory_format == torch.channels_last
+    assert first.state.fsdp_enabled
+    resumed = fit(gpu_config(tiny_dataset, tmp_path, "fsdp=true", "max_duration=20ba", "save_interval=10ba"))
+    assert int(resumed.state.timestamp.batch) == 20
+    lines = [json.loads(line) for line in (tmp_path / "save" / "metrics.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == list(range(1, 21))
+    assert all(math.isfinite(line["loss"]) for line in lines)
+    out = tmp_path / "pipeline"
+    assert export_pipeline(str(tmp_path / "save"), str(out)).weights == "ema"
+
+    from diffusers import StableDiffusionPipeline
+
+    pipe = StableDiffusionPipeline.from_pretrained(
+        str(out), safety_checker=None, requires_safety_checker=False, local_files_only=True
+    )
+    assert pipe.unet.config.sample_size == get_preset("tiny").latent_shape(64)[1]
+
+
+def test_the_step_never_syncs_the_host(tiny_dataset: str, tmp_path: Path) -> None:
+    cfg = gpu_config(tiny_dataset, tmp_path)
+    setup = resolve_device_setup("gpu", "amp_bf16", channels_last=True)
+    bench = StepBench(cfg, setup, online=False)
+    batch = synthetic_latent_batch(get_preset("tiny"), 64, 4, setup, 0)
+    for _ in range(3):  # compilation, optimizer state, allocator warm-up
+        train_step(bench.model, bench.optimizer, batch, setup)
+    torch.cuda.synchronize()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for _ in range(3):
+                train_step(bench.model, bench.optimizer, batch, setup)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+
+
+def test_trainer_reads_back_only_at_log_and_checkpoint_steps_on_gpu(
+    tiny_dataset: str, tmp_path: Path
+) -> None:
+    _, counts = run_counted(tiny_dataset, tmp_path, *PRODUCTION)
+    flush_steps = {LOG_EVERY, 2 * LOG_EVERY, SAVE_AT, STEPS}
+    assert set(counts.steps_with("train/")) <= flush_steps
+    for step in sorted(set(range(1, STEPS + 1)) - flush_steps):
+        assert counts.at(step) == {}, step

@@ -1,0 +1,83 @@
+"""The model switches (issue 11.6, 11.7): `compile` compiles the U-Net alone, `channels_last` is a train
+config switch, and `make bench` builds its model through the train job's code from the same TrainConfig."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from diffusers.models.resnet import ResnetBlock2D
+from diffusers.models.transformers.transformer_2d import Transformer2DModel
+
+from shared.runtime import DeviceSetup
+from tests.train.conftest import tiny_config
+from train.bench.step import StepBench
+from train.loop.prepare import prepare_run
+from train.loop.trainer import build_model, build_trainer
+from train.model.assemble import assemble_model, use_channels_last
+
+
+def conv_weight(model: torch.nn.Module) -> torch.Tensor:
+    return model.unet.conv_in.weight
+
+
+def test_compile_compiles_the_unet_only_and_keeps_names(tiny_dataset: str, tmp_path: Path) -> None:
+    """Not the whole forward (Python per-sample code included): the U-Net, in place, names unchanged."""
+    cfg = tiny_config(tiny_dataset, tmp_path / "save", tmp_path / "cache", "compile=true")
+    model = build_model(prepare_run(cfg))
+    assert model.unet._compiled_call_impl is not None
+    assert model._compiled_call_impl is None and model.objective is not None
+    plain = build_model(prepare_run(tiny_config(tiny_dataset, tmp_path / "s2", tmp_path / "cache")))
+    assert list(model.state_dict()) == list(plain.state_dict())
+    assert not any("_orig_mod" in name for name in model.state_dict())
+
+
+def test_trainer_leaves_compilation_to_the_model(tiny_dataset: str, tmp_path: Path) -> None:
+    cfg = tiny_config(tiny_dataset, tmp_path / "save", tmp_path / "cache", "compile=true", "max_duration=1ba")
+    trainer = build_trainer(cfg)
+    try:
+        model = trainer.state.model
+        assert type(model.forward).__name__ == "method"  # Composer did not wrap the forward in dynamo
+        assert model.unet._compiled_call_impl is not None
+    finally:
+        trainer.close()
+
+
+def test_channels_last_is_a_gpu_only_train_switch(tiny_dataset: str, tmp_path: Path) -> None:
+    cfg = tiny_config(tiny_dataset, tmp_path / "save", tmp_path / "cache")
+    assert cfg.channels_last and use_channels_last(cfg, "gpu") and not use_channels_last(cfg, "cpu")
+    off = tiny_config(tiny_dataset, tmp_path / "save", tmp_path / "cache", "channels_last=false")
+    assert not use_channels_last(off, "gpu")
+    empty = torch.zeros(77, 32)
+    on_gpu = assemble_model(cfg, "gpu", 1.0, empty)  # built on the host: the layout is set before .to()
+    assert conv_weight(on_gpu).is_contiguous(memory_format=torch.channels_last)
+    assert on_gpu.memory_format == torch.channels_last
+    assert conv_weight(assemble_model(cfg, "cpu", 1.0, empty)).is_contiguous()
+
+
+def test_bench_builds_the_trainer_model(tiny_dataset: str, tmp_path: Path) -> None:
+    """Same class, layout and U-Net config from one TrainConfig (the GPU layout checked on host tensors)."""
+    cfg = tiny_config(tiny_dataset, tmp_path / "save", tmp_path / "cache")
+    trained = assemble_model(cfg, "gpu", 1.0, torch.zeros(77, 32))
+    as_gpu = DeviceSetup(torch.device("cpu"), "gpu", "host standing in for a GPU", "fp32", True)
+    benched = StepBench(cfg, as_gpu, online=False).model
+    assert type(benched) is type(trained) and type(benched.unet) is type(trained.unet)
+    assert dict(benched.unet.config) == dict(trained.unet.config)
+    assert benched.memory_format == trained.memory_format == torch.channels_last
+    assert conv_weight(benched).is_contiguous(memory_format=torch.channels_last)
+    assert list(benched.state_dict()) == list(trained.state_dict())
+
+
+def test_fsdp_units_are_the_unets_blocks_where_composer_looks_for_them(
+    tiny_dataset: str, tmp_path: Path
+) -> None:
+    """Composer 0.32 looks the auto-wrap rule up on each child of the ComposerModel (the U-Net): one FSDP
+    unit per ResNet / transformer block, so gathering a block's weights overlaps the previous block's
+    compute, instead of the whole U-Net as one unit gathered before any compute."""
+    cfg = tiny_config(tiny_dataset, tmp_path / "save", tmp_path / "cache")
+    model = assemble_model(cfg, "cpu", 1.0, torch.zeros(77, 32))
+    rule = model.unet.fsdp_wrap_fn
+    units = [m for m in model.unet.modules() if rule(m)]
+    assert units and all(isinstance(m, (ResnetBlock2D, Transformer2DModel)) for m in units)
+    assert len(units) == sum(isinstance(m, (ResnetBlock2D, Transformer2DModel)) for m in model.unet.modules())
+    assert not rule(model.unet)

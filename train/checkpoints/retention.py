@@ -1,0 +1,128 @@
+"""Checkpoint retention in s3:// save folders: keep the newest N, never the one `latest` names."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from concurrent.futures import ThreadPoolExecutor
+
+from composer.core import Callback, Event, State
+from composer.loggers import Logger
+from composer.utils import dist
+from composer.utils.misc import create_interval_scheduler
+
+from shared import storage
+from train.checkpoints.files import UnsafeCheckpointError, find_latest_checkpoint
+
+log = logging.getLogger(__name__)
+
+
+# ----------------------------------------------------------------------------------------- retention
+_CHECKPOINT_NAME = re.compile(r"^ep\d+-ba(\d+)-rank\d+\.pt$")
+# A sharded checkpoint is a folder `ep{epoch}-ba{batch}/` (train/checkpoints/sharded.py): deleted whole.
+_SHARDED_NAME = re.compile(r"^ep\d+-ba(\d+)$")
+
+
+def checkpoints_to_delete(
+    names_by_batch: dict[int, list[str]], latest_batch: int | None, keep: int
+) -> list[str]:
+    """Which checkpoints retention deletes: of those at or before the one `latest` names, all but the
+    newest `keep` (latest always among them). Checkpoints after latest are never touched: in an s3://
+    folder they are uploads Composer has not confirmed yet (it writes `latest` only after polling that the
+    file exists, so deleting one stalls the job for up to an hour), or leftovers of a crashed attempt that
+    the resumed run overwrites. No latest: nothing is confirmed, nothing is deleted."""
+    if latest_batch is None:
+        return []
+    settled = sorted(batch for batch in names_by_batch if batch <= latest_batch)
+    old = settled[: max(len(settled) - keep, 0)]
+    return [name for batch in old for name in names_by_batch[batch]]
+
+
+class CheckpointRetention(Callback):
+    """Keeps the newest `keep` checkpoints in a save folder (local, shared filesystem or s3://).
+
+    Composer prunes only the checkpoints the current process saved, and never remote ones, so after a
+    cancel + resubmit a folder keeps every earlier job's checkpoints (~14 GB each for SD2-base). This lists
+    the folder instead. It runs on rank 0, once per saved checkpoint (not per batch: Composer fires
+    BATCH_CHECKPOINT after every batch), in one background worker so a slow listing never holds up a
+    step; the worker is joined and a final pass runs after the trainer closed, when every upload and the
+    final `latest` are written (Composer's uploader finishes at fit end, after the callbacks of that event,
+    hence `post_close`). See checkpoints_to_delete for what may go.
+    """
+
+    def __init__(self, save_folder: str, keep: int, interval: str):
+        if keep < 1:
+            raise ValueError(f"keep must be >= 1, got {keep}")
+        self.save_folder = save_folder
+        self.keep = keep
+        self.due = create_interval_scheduler(interval)
+        self.saved_since_prune = False
+        self.worker: ThreadPoolExecutor | None = None
+        self.closed = False
+
+    def prune(self) -> list[str]:
+        """Delete the old checkpoints now; returns their URIs."""
+        if dist.get_global_rank() != 0:
+            return []
+        by_batch: dict[int, list[str]] = {}
+        for info in storage.list_files(self.save_folder):
+            name = storage.relpath(info.uri, self.save_folder)
+            if match := _CHECKPOINT_NAME.match(name):
+                by_batch.setdefault(int(match.group(1)), []).append(info.uri)
+            elif "/" in name and (match := _SHARDED_NAME.match(name.split("/")[0])):
+                folder = storage.join(self.save_folder, match.group(0))
+                if folder not in by_batch.setdefault(int(match.group(1)), []):
+                    by_batch[int(match.group(1))].append(folder)
+        doomed = checkpoints_to_delete(by_batch, self._latest_batch(), self.keep)
+        for uri in doomed:
+            if _CHECKPOINT_NAME.match(os.path.basename(uri)):
+                storage.delete(uri)
+            else:  # s3: delete_tree goes in key order, `.metadata` (marks the folder complete) first
+                storage.delete_tree(uri)
+        if doomed:
+            log.info("deleted %d old checkpoint file(s) from %s", len(doomed), self.save_folder)
+        return doomed
+
+    def _latest_batch(self) -> int | None:
+        latest = find_latest_checkpoint(self.save_folder)
+        name = os.path.basename(latest.rstrip("/")) if latest else ""
+        match = _CHECKPOINT_NAME.match(name) or _SHARDED_NAME.match(name)
+        return int(match.group(1)) if match else None
+
+    def prune_best_effort(self) -> None:
+        # Old checkpoints are only clutter: an S3 hiccup or a damaged `latest` must not stop training here
+        # (a damaged latest stops the next resume, loudly).
+        try:
+            self.prune()
+        except (OSError, UnsafeCheckpointError) as err:
+            log.warning(
+                "could not prune old checkpoints in %s (will retry next checkpoint): %s",
+                self.save_folder,
+                err,
+            )
+
+    def batch_checkpoint(self, state: State, logger: Logger) -> None:
+        # This runs before Composer's CheckpointSaver within the event: remember, prune after it saved.
+        if dist.get_global_rank() == 0 and self.due(state, Event.BATCH_CHECKPOINT):
+            self.saved_since_prune = True
+
+    def epoch_checkpoint(self, state: State, logger: Logger) -> None:
+        if dist.get_global_rank() == 0 and self.due(state, Event.EPOCH_CHECKPOINT):
+            self.saved_since_prune = True
+
+    def batch_start(self, state: State, logger: Logger) -> None:
+        if self.saved_since_prune:
+            self.saved_since_prune = False
+            if self.worker is None:
+                self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-retention")
+            self.worker.submit(self.prune_best_effort)
+
+    def post_close(self) -> None:
+        # Composer may close an engine twice (explicitly, then at interpreter exit): prune once.
+        if self.closed:
+            return
+        self.closed = True
+        if self.worker is not None:
+            self.worker.shutdown(wait=True)
+        self.prune_best_effort()

@@ -1,0 +1,336 @@
+"""Stream one resolution of an encode output, pinned to one dataset version, into Composer.
+
+Streaming gotchas that shape this module:
+- a stale `index.json` in the local cache is trusted silently, and encode may publish a new version while
+  we train. So we read the manifest, pick the version, and copy THAT version's index
+  (`versions/<vid>/<res>/index.json`) into a cache folder keyed by (dataset root, version, resolution)
+  before Streaming starts; shards are immutable and shared between versions, so any version's index names
+  them correctly below `<root>/<res>/`.
+- Streaming shares cache folders and shared memory between processes on a host without guarding either;
+  `train/data/streaming_host.py` makes both safe (a folder lock per cache folder, a host lock over
+  construction).
+
+Stored files are data, not trusted: every index is checked against the manifest (columns, shapes, sample
+counts, shard names that stay inside the folder) before Streaming sees it, local shard files against their
+index entries, and shards written with hashes are verified when first read.
+
+Every random draw of a training sample is derived from (seed, epoch, sample index) — see `sample_seed` — so
+a run resumed mid-epoch sees exactly the draws the uninterrupted run would have.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from shared import storage
+from shared.contract import (
+    LATENT_MEAN,
+    SHARD_HASH,
+    TRAIN_COLUMNS,
+    ContractError,
+    IndexSummary,
+    check_index,
+)
+from shared.manifest import DatasetManifest, Layout, fingerprint, read_manifest
+from train.config import DataConfig, ModelConfig
+from train.data import packing
+from train.data.draws import SAMPLE_SEED, draw_columns
+from train.data.streaming_host import DataError, claim_local_dir, streaming_prefix_lock
+
+log = logging.getLogger(__name__)
+
+NUM_TIMESTEPS = ModelConfig.num_train_timesteps  # the default schedule's length (1000)
+_SEED_MASK = (1 << 63) - 1  # torch.Generator and int64 tensors both take a non-negative 63-bit seed
+_MDS_OFFSET = np.dtype("<u4")  # an MDS shard starts with its sample count, then count + 1 uint32 offsets
+
+
+def sample_seed(seed: int, epoch: int, index: int) -> int:
+    """The seed of every random draw for one sample in one epoch: independent of ranks, workers, resumes."""
+    digest = hashlib.blake2b(f"{seed}:{epoch}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & _SEED_MASK
+
+
+# ------------------------------------------------------------------------------------------ version pin
+@dataclass(frozen=True)
+class PinnedData:
+    """One resolution of one dataset version, with its index placed in a private local cache folder."""
+
+    root: str
+    version: str
+    resolution: int
+    manifest: DatasetManifest
+    remote: str  # Layout.stream_root(resolution)
+    local: str  # cache folder holding this version's index.json (and downloaded shards)
+    hashed: bool = False  # every shard records SHARD_HASH: verify each when first read
+
+    @property
+    def num_samples(self) -> int:
+        return self.manifest.num_samples(self.resolution)
+
+    def record(self) -> dict[str, Any]:
+        """What a checkpoint remembers about the data it was trained on."""
+        return {
+            "uri": self.root,
+            "version": self.version,
+            "resolution": self.resolution,
+            "fingerprint": self.manifest.dataset_fingerprint,
+            "num_samples": self.num_samples,
+        }
+
+
+def default_cache_root() -> str:
+    """`<tmp>/sd-pretrain-streaming-<uid>`, private to this user: a computable path in the shared temp dir
+    must not let another user plant shards we would train on."""
+    return str(storage.private_temp_dir("sd-pretrain-streaming", "data.cache_dir"))
+
+
+def cache_dir_for(cache_root: str, root: str, version: str, resolution: int) -> str:
+    """`<cache_root>/<hash(root)>/<vid>/<res>`: one folder per live dataset, never shared across versions."""
+    return os.path.join(
+        cache_root or default_cache_root(), fingerprint(root.rstrip("/")), version, str(resolution)
+    )
+
+
+def read_dataset_manifest(cfg: DataConfig) -> DatasetManifest:
+    """The manifest of the version this run trains on (data.version, or the current one)."""
+    if not cfg.uri:
+        raise DataError("data.uri is empty: pass data.uri=<output.uri of a finished `make encode` run>")
+    return read_manifest(cfg.uri.rstrip("/"), cfg.version)
+
+
+def pin_version(cfg: DataConfig, manifest: DatasetManifest) -> PinnedData:
+    """Place the manifest's version's index for data.resolution in this dataset's own cache folder.
+
+    Call after the contract check: the resolution must exist in the manifest.
+    """
+    root = cfg.uri.rstrip("/")
+    vid = manifest.version
+    layout = Layout(root)
+    local = cache_dir_for(cfg.cache_dir, root, vid, cfg.resolution)
+    claim_local_dir(local)
+    remote = layout.stream_root(cfg.resolution)
+    summary = place_index(layout.version_index(vid, cfg.resolution), local, manifest, cfg.resolution, remote)
+    if not summary.hashed:
+        log.warning(
+            "%s: not every shard records a %s hash (written before encode hashed shards); shard contents "
+            "are not verified on read. Re-encode into a fresh output.uri to add them",
+            remote, SHARD_HASH,
+        )  # fmt: skip
+    return PinnedData(root, vid, cfg.resolution, manifest, remote, local, summary.hashed)
+
+
+def place_index(
+    index_uri: str, local: str, manifest: DatasetManifest, resolution: int, remote: str
+) -> IndexSummary:
+    """Check a version's index against the manifest (and local shard files against it), then copy it into
+    the cache folder, replacing whatever index was there."""
+    try:
+        data = storage.read_bytes(index_uri)
+    except FileNotFoundError:
+        raise DataError(
+            f"{index_uri} is missing: the dataset version was deleted (e.g. by `make encode-gc`); pass "
+            "data.version=<a kept version> or drop data.version to use the current one"
+        ) from None
+    try:
+        index = json.loads(data)
+    except ValueError as err:
+        raise ContractError(f"{index_uri} is not valid JSON ({err}); re-run `make encode`") from None
+    info = manifest.resolutions[resolution]
+    summary = check_index(index, info.shapes, info.num_samples, index_uri)
+    if not storage.is_s3(remote):
+        check_shard_files(index, remote)
+    storage.write_bytes(os.path.join(local, "index.json"), data)
+    return summary
+
+
+def check_shard_files(index: dict[str, Any], stream_root: str) -> None:
+    """Local datasets: each uncompressed shard file must be the size its index says and hold the samples it
+    says (a truncated shard, or an index whose count disagrees with its shard, would crash mid-epoch).
+    Reads only each shard's header. S3 shards are checked by their hash when first downloaded."""
+    for shard in index["shards"]:
+        raw = shard["raw_data"]
+        path = storage.contained_path(stream_root, raw["basename"], f"shard {raw['basename']}")
+        if not path.is_file():
+            if shard.get("zip_data"):
+                continue  # only the compressed file is stored; Streaming checks it when it decompresses
+            raise ContractError(f"shard file {path} named by the index is missing; re-run `make encode`")
+        problem = _shard_file_problem(path, int(raw["bytes"]), int(shard["samples"]))
+        if problem:
+            raise ContractError(
+                f"shard file {path} {problem}; it was truncated or edited after `make encode`: re-run "
+                "`make encode` into a fresh output.uri"
+            )
+
+
+def _shard_file_problem(path: Path, size: int, samples: int) -> str | None:
+    actual = path.stat().st_size
+    if actual != size:
+        return f"is {actual} bytes but its index says {size}"
+    with open(path, "rb") as handle:
+        header = handle.read(_MDS_OFFSET.itemsize * (samples + 2))
+    if len(header) < _MDS_OFFSET.itemsize * (samples + 2):
+        return f"is too short for the {samples} samples its index says"
+    count, *offsets = np.frombuffer(header, _MDS_OFFSET).tolist()
+    if count != samples:
+        return f"holds {count} samples but its index says {samples}"
+    if offsets[-1] != actual:
+        return f"ends its last sample at byte {offsets[-1]}, not at its size {actual}"
+    return None
+
+
+# --------------------------------------------------------------------------------------------- dataset
+def _streaming_dataset_class() -> type:
+    from streaming import StreamingDataset
+
+    from train.data.mds_reader import decode_train_columns_only
+
+    class LatentStreamingDataset(StreamingDataset):
+        """StreamingDataset whose rows carry only the precomputed columns plus a per-sample seed.
+
+        Streaming picks the epoch inside `__iter__` on each worker; `_get_work` is where that value is
+        handed over, so we note it there and mix it into each row's seed. A shard that fails its hash
+        check fails in Streaming's download thread, which the reading thread reports only as "Background
+        thread failed"; `prepare_shard` keeps the real error so `get_item` raises it.
+        """
+
+        def __init__(self, *, seed: int, num_timesteps: int, **kwargs: Any) -> None:
+            super().__init__(**kwargs)
+            decode_train_columns_only(self.shards)
+            self.sample_seed_base = seed
+            self.num_timesteps = num_timesteps
+            self.current_epoch = 0
+            self.shard_failure: DataError | None = None
+
+        def prepare_shard(self, shard_id: int, blocking: bool = True) -> None:
+            try:
+                super().prepare_shard(shard_id, blocking)
+            except ValueError as err:
+                if "Checksum failure" not in str(err):
+                    raise
+                self.shard_failure = DataError(
+                    f"{err}: the shard's bytes do not match the {SHARD_HASH} hash its index recorded at "
+                    "encode time, so it was changed or damaged after encoding; re-run `make encode` into "
+                    "a fresh output.uri (or restore the file)"
+                )
+                raise self.shard_failure from None
+
+        def __iter__(self) -> Iterator[dict[str, Any]]:
+            # A failed download thread can end Streaming's epoch early and quietly; never end it on one.
+            yield from super().__iter__()
+            if self.shard_failure is not None:
+                raise self.shard_failure
+
+        def _get_work(self, epoch: int, sample_in_epoch: int) -> Any:
+            self.current_epoch = epoch
+            return super()._get_work(epoch, sample_in_epoch)
+
+        def get_item(self, sample_id: int, retry: int = 7) -> dict[str, Any]:
+            import torch
+
+            try:
+                row = super().get_item(sample_id, retry)
+            except RuntimeError:
+                if self.shard_failure is not None:
+                    raise self.shard_failure from None
+                raise
+            # MDS hands out read-only views of the shard; copy so torch owns writable memory.
+            # A dataset stores one of the two text columns (text.store): take whichever this one has.
+            out = {name: torch.from_numpy(row[name].copy()) for name in TRAIN_COLUMNS if name in row}
+            seed = sample_seed(self.sample_seed_base, self.current_epoch, int(sample_id))
+            out[SAMPLE_SEED] = torch.tensor(seed, dtype=torch.int64)
+            # Drawn here, in the loader worker, so they reach the step in the pinned batch
+            # (train/data/draws.py).
+            return out | draw_columns(seed, tuple(out[LATENT_MEAN].shape), self.num_timesteps)
+
+    return LatentStreamingDataset
+
+
+def build_dataset(
+    cfg: DataConfig, pinned: PinnedData, per_rank_batch: int, seed: int, num_timesteps: int = NUM_TIMESTEPS
+) -> Any:
+    """The StreamingDataset over the pinned version (remote shards, private local cache); rows carry the
+    per-sample draws for a schedule of `num_timesteps` (model.num_train_timesteps)."""
+    with streaming_prefix_lock():
+        return _new_dataset(cfg, pinned, per_rank_batch, seed, num_timesteps)
+
+
+def _new_dataset(
+    cfg: DataConfig, pinned: PinnedData, per_rank_batch: int, seed: int, num_timesteps: int
+) -> Any:
+    cls = _streaming_dataset_class()
+    return cls(
+        seed=seed,
+        num_timesteps=num_timesteps,
+        remote=pinned.remote,
+        local=pinned.local,
+        batch_size=per_rank_batch,
+        shuffle=cfg.shuffle,
+        shuffle_algo=cfg.shuffle_algo,
+        shuffle_seed=seed if cfg.shuffle_seed is None else cfg.shuffle_seed,
+        shuffle_block_size=cfg.shuffle_block_size,
+        num_canonical_nodes=cfg.num_canonical_nodes,
+        predownload=cfg.predownload,
+        cache_limit=cfg.cache_limit,
+        download_timeout=cfg.download_timeout,
+        validate_hash=SHARD_HASH if pinned.hashed else None,
+    )
+
+
+def build_dataloader(
+    cfg: DataConfig, pinned: PinnedData, per_rank_batch: int, seed: int, num_timesteps: int = NUM_TIMESTEPS
+) -> Any:
+    """A StreamingDataLoader (Composer checkpoints its dataset's position, so resumes are mid-epoch exact)
+    whose batches are packed into one buffer each (train/data/packing.py; `packing.unpack` gives the
+    columns)."""
+    dataset = build_dataset(cfg, pinned, per_rank_batch, seed, num_timesteps)
+    check_one_batch_per_epoch(len(dataset), per_rank_batch, cfg)
+    extra: dict[str, Any] = {}
+    if cfg.num_workers > 0:
+        extra = {"prefetch_factor": cfg.prefetch_factor, "persistent_workers": True}
+    return _packed_loader_class()(
+        dataset,
+        batch_size=per_rank_batch,
+        num_workers=cfg.num_workers,
+        drop_last=True,
+        pin_memory=_cuda_available(),
+        collate_fn=packing.collate_packed,
+        **extra,
+    )
+
+
+def _packed_loader_class() -> type:
+    from streaming import StreamingDataLoader
+
+    class PackedStreamingDataLoader(StreamingDataLoader):
+        def _get_batch_size(self, batch: Any) -> int:
+            # Streaming counts a dict batch by its first value's length: the packed buffer's byte count.
+            # The count is the resume position Composer checkpoints, so it must be samples.
+            return packing.num_samples(batch)
+
+    return PackedStreamingDataLoader
+
+
+def check_one_batch_per_epoch(rank_samples: int, per_rank_batch: int, cfg: DataConfig) -> None:
+    """Refuse data smaller than one batch: with drop_last every epoch would be empty and Composer would
+    count epochs forever without taking a step."""
+    if rank_samples < per_rank_batch:
+        raise DataError(
+            f"the {cfg.resolution} px data at {cfg.uri} gives each rank {rank_samples} samples, fewer than "
+            f"one per-rank batch of {per_rank_batch}, so no step could ever run; lower global_batch_size "
+            f"(and device_microbatch_size) or encode more data"
+        )
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()

@@ -1,0 +1,2 @@
+"""The EMA of the U-Net weights: Composer's EMA with name-keyed stores, sharded under FSDP, and the phase
+handoff."""

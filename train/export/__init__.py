@@ -1,0 +1,1 @@
+"""Weights out of a run: the diffusers pipeline export and the sample grids rendered during training."""

@@ -1,0 +1,192 @@
+"""Sample grids during training: fixed prompts, EMA weights, classifier-free guidance, DDIM/Euler, VAE decode.
+
+The prompts are encoded once with the text encoder the dataset names (its manifest's EncoderIdentity,
+whichever text.store it has); the unconditional embedding is the manifest's `empty_caption_embedding`,
+exactly what caption dropout trained on (text.store=tokens computes that same embedding online). The
+starting noise is fixed by `samples.seed`, so grids compare over training.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from composer.core import Callback, Event, State
+from composer.core.precision import get_precision_context
+from composer.loggers import Logger
+from composer.utils import dist
+from composer.utils.misc import create_interval_scheduler
+
+from shared.encoders import EncoderIdentity
+from shared.models import build_vae
+from shared.presets import get_preset
+from train.config import SamplesConfig
+from train.ema.algorithm import find_ema
+from train.model.diffusion import DenoiseInput, scheduler_kwargs
+
+log = logging.getLogger(__name__)
+
+Denoiser = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def inference_scheduler(kind: str, model_cfg: Any) -> Any:
+    """DDIM or Euler with the training noise schedule (SD2-base settings: no clipping, final alpha not 1)."""
+    from diffusers import DDIMScheduler, EulerDiscreteScheduler
+
+    kwargs = scheduler_kwargs(model_cfg)
+    if kind == "ddim":
+        return DDIMScheduler(**kwargs, clip_sample=False, set_alpha_to_one=False)
+    if kind == "euler":
+        return EulerDiscreteScheduler(**kwargs)
+    raise ValueError(f"unknown sampler {kind!r}; use ddim or euler")
+
+
+@torch.no_grad()
+def sample_latents(
+    denoise: Denoiser,
+    cond: torch.Tensor,
+    uncond: torch.Tensor,
+    scheduler: Any,
+    steps: int,
+    guidance_scale: float,
+    latent_shape: tuple[int, int, int],
+    generator: torch.Generator,
+) -> torch.Tensor:
+    """Classifier-free-guided sampling of len(cond) latents (starting noise drawn on CPU from `generator`)."""
+    device = cond.device
+    scheduler.set_timesteps(steps)
+    batch = cond.shape[0]
+    latents = torch.randn((batch, *latent_shape), generator=generator).to(device) * scheduler.init_noise_sigma
+    text = torch.cat([uncond.expand(batch, -1, -1), cond])
+    for t in scheduler.timesteps:
+        model_in = scheduler.scale_model_input(torch.cat([latents, latents]), t)
+        timesteps = torch.full((2 * batch,), int(t), device=device, dtype=torch.long)
+        pred_uncond, pred_cond = denoise(model_in, timesteps, text).float().chunk(2)
+        guided = pred_uncond + guidance_scale * (pred_cond - pred_uncond)
+        latents = scheduler.step(guided, t, latents).prev_sample
+    return latents
+
+
+@torch.no_grad()
+def decode_images(vae: Any, latents: torch.Tensor, scale_factor: float) -> torch.Tensor:
+    """Latents -> uint8 images [B, 3, H, W] (undoing the training scale factor)."""
+    images = vae.decode(latents.to(vae.dtype) / scale_factor).sample
+    return ((images.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).cpu()
+
+
+def save_grid(images: torch.Tensor, path: str, columns: int) -> None:
+    """A PNG grid, one row per prompt."""
+    from PIL import Image
+
+    count, _, height, width = images.shape
+    rows = (count + columns - 1) // columns
+    grid = Image.new("RGB", (columns * width, rows * height))
+    for i, image in enumerate(images):
+        tile = Image.fromarray(image.permute(1, 2, 0).numpy())
+        grid.paste(tile, ((i % columns) * width, (i // columns) * height))
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    grid.save(path)
+
+
+class SampleRenderer(Callback):
+    """Every `samples.interval` (and at the end), render the fixed prompts with the EMA weights."""
+
+    def __init__(
+        self,
+        cfg: SamplesConfig,
+        model_cfg: Any,
+        encoder: EncoderIdentity,
+        empty_caption: torch.Tensor,
+        latent_shape: tuple[int, int, int],
+        scale_factor: float,
+        out_dir: str,
+    ):
+        self.cfg = cfg
+        self.model_cfg = model_cfg
+        self.encoder = encoder
+        self.empty_caption = empty_caption.to(torch.float32)
+        self.latent_shape = latent_shape
+        self.scale_factor = scale_factor
+        self.out_dir = out_dir
+        self.due = create_interval_scheduler(cfg.interval, include_end_of_training=True)
+        self.vae: Any = None
+        self.prompt_embeddings: torch.Tensor | None = None
+        self.last_rendered = -1  # the last batch of training is both an interval hit and the end
+
+    def batch_checkpoint(self, state: State, logger: Logger) -> None:
+        self._maybe_render(state, Event.BATCH_CHECKPOINT)
+
+    def epoch_checkpoint(self, state: State, logger: Logger) -> None:
+        self._maybe_render(state, Event.EPOCH_CHECKPOINT)
+
+    def _maybe_render(self, state: State, event: Event) -> None:
+        batch = int(state.timestamp.batch)
+        if batch != self.last_rendered and self.due(state, event):
+            self.last_rendered = batch
+            self.render(state)
+
+    def _prepare(self, device: torch.device) -> None:
+        """Build the VAE and encode the prompts once (the text encoder is dropped afterwards)."""
+        preset = get_preset(self.model_cfg.preset)
+        text = self.encoder.build_text_encoder()
+        prompts = [p for p in self.cfg.prompts for _ in range(self.cfg.images_per_prompt)]
+        self.prompt_embeddings = text.encode(prompts).to(device)
+        self.vae = build_vae(preset, self.encoder.pretrained).to(device)
+
+    def render(self, state: State) -> None:
+        """Sample on every rank (an FSDP forward is collective); rank 0 writes the grid."""
+        device = next(state.model.parameters()).device
+        if self.prompt_embeddings is None:
+            self._prepare(device)
+        assert self.prompt_embeddings is not None
+        with use_ema_weights(state), get_precision_context(state.precision):
+            was_training = state.model.training
+            state.model.eval()
+            try:
+                latents = self._sample(state, device)
+            finally:
+                state.model.train(was_training)
+        images = decode_images(self.vae, latents.float(), self.scale_factor)
+        if dist.get_global_rank() == 0:
+            path = os.path.join(self.out_dir, f"ba{int(state.timestamp.batch):08d}.png")
+            save_grid(images, path, columns=self.cfg.images_per_prompt)
+            log.info("wrote sample grid %s", path)
+
+    def _sample(self, state: State, device: torch.device) -> torch.Tensor:
+        assert self.prompt_embeddings is not None
+
+        def denoise(x: torch.Tensor, t: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
+            return state.model(DenoiseInput(x, t, text))
+
+        return sample_latents(
+            denoise,
+            self.prompt_embeddings,
+            self.empty_caption.to(device)[None],
+            inference_scheduler(self.cfg.sampler, self.model_cfg),
+            self.cfg.steps,
+            self.cfg.guidance_scale,
+            self.latent_shape,
+            torch.Generator().manual_seed(self.cfg.seed),
+        )
+
+
+class use_ema_weights:
+    """Swap the EMA weights into the model for the duration (a no-op without EMA or before it starts)."""
+
+    def __init__(self, state: State):
+        self.state = state
+        self.ema = find_ema(state.algorithms)
+        self.swapped = False
+
+    def __enter__(self) -> None:
+        ema = self.ema
+        if ema is not None and ema.ema_model is not None and ema.ema_started and not ema.ema_weights_active:
+            ema.ema_model.swap_params(self.state.model)
+            self.swapped = True
+
+    def __exit__(self, *exc: object) -> None:
+        if self.swapped and self.ema is not None and self.ema.ema_model is not None:
+            self.ema.ema_model.swap_params(self.state.model)

@@ -1,0 +1,163 @@
+"""What the run writes beside its checkpoints: metrics.jsonl, the small files mirrored to an s3:// save
+folder."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from composer.core import Callback, Event, State
+from composer.loggers import Logger, LoggerDestination
+from composer.utils import dist
+from composer.utils.misc import create_interval_scheduler
+
+from shared import storage
+
+log = logging.getLogger(__name__)
+
+
+# ----------------------------------------------------------------------------------------- metrics
+_LOSS_METRIC = "loss/train/total"  # logged per step by train/loop/step.py's StepLossLog, with its step
+# Composer metric name -> short name in metrics.jsonl
+_METRIC_NAMES = {
+    "loss/train/total": "loss",
+    "throughput/samples_per_sec": "images_per_s",
+    "throughput/device/samples_per_sec": "images_per_s_per_device",
+    "time/remaining_estimate": "eta_hours",
+    "memory/peak_allocated_mem": "peak_mem_gb",
+}
+
+
+class MetricsJSONL(LoggerDestination):
+    """One JSON line per optimizer step: step, loss, lr, images/s (overall and per device), ETA, memory.
+
+    Everything logged during a batch (throughput and LR at its end) is collected at that batch's end, keyed
+    by the number of batches done. The loss comes later and for several steps at once: it stays on the
+    device during training (train/loop/step.py) and is logged with its step number every
+    `log.console_interval` batches and before every checkpoint. A step's line is written as soon as both
+    halves are in, in step order. StepLossLog runs before the CheckpointSaver in the BATCH_CHECKPOINT event
+    (Composer appends the saver after the job's callbacks), so every step a checkpoint covers is on disk
+    before the checkpoint is published: a kill between the two cannot lose a line. After a resume, lines
+    past the resumed step (written by the crashed run) are dropped so each step appears once.
+    """
+
+    def __init__(self, path: str):
+        self.path = Path(path)
+        self.pending: dict[str, Any] = {}
+        self.records: dict[int, dict[str, Any]] = {}  # finished steps waiting for their loss
+        self.losses: dict[int, float] = {}  # losses waiting for their step's end
+
+    def log_metrics(self, metrics: dict[str, Any], step: int | None = None) -> None:
+        for name, value in metrics.items():
+            if name == _LOSS_METRIC and step is not None:
+                self.losses[int(step)] = float(value)
+                continue
+            short = "lr" if name.startswith("lr-") and name.endswith("group0") else _METRIC_NAMES.get(name)
+            if short is not None:
+                self.pending[short] = float(value)
+        if _LOSS_METRIC in metrics:
+            self._write_complete()
+
+    def fit_start(self, state: State, logger: Logger) -> None:
+        if dist.get_global_rank() != 0:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._drop_lines_after(int(state.timestamp.batch))
+
+    def batch_end(self, state: State, logger: Logger) -> None:
+        if dist.get_global_rank() != 0:
+            return
+        stamp = state.timestamp
+        self.records[int(stamp.batch)] = {
+            "step": int(stamp.batch),
+            "samples": int(stamp.sample),
+            "epoch": int(stamp.epoch),
+            "time": round(time.time(), 3),
+            **self.pending,
+        }
+        self.pending = {}
+        self._write_complete()
+
+    def fit_end(self, state: State, logger: Logger) -> None:
+        # Steps whose loss never came (a run without StepLossLog) are still written, without it.
+        self._write_complete(force=True)
+
+    def _write_complete(self, force: bool = False) -> None:
+        """Append the lines of the oldest steps that have both their end-of-step values and their loss."""
+        if dist.get_global_rank() != 0:
+            return
+        lines = []
+        for step in sorted(self.records):
+            if step not in self.losses and not force:
+                break
+            record = self.records.pop(step)
+            if step in self.losses:
+                record["loss"] = self.losses.pop(step)
+            lines.append(json.dumps(record) + "\n")
+        if lines:
+            with self.path.open("a") as handle:
+                handle.write("".join(lines))
+
+    def _drop_lines_after(self, step: int) -> None:
+        if not self.path.exists():
+            return
+        keep = [
+            line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= step
+        ]
+        self.path.write_text("".join(line + "\n" for line in keep))
+
+
+# ----------------------------------------------------------------------------------------- mirroring
+class ArtifactMirror(Callback):
+    """Copies the local run folder (log, metrics, samples, config) to an s3:// save folder.
+
+    Composer uploads checkpoints itself; this keeps the small human-facing files next to them. Runs on
+    rank 0 at each checkpoint interval and at the end of training; only changed files are uploaded. Files
+    that runs append to (`restore`) are fetched back first when this machine has no local copy (a resume
+    elsewhere), so the remote copy is extended rather than overwritten.
+    """
+
+    def __init__(self, local_dir: str, remote_dir: str, interval: str, restore: tuple[str, ...] = ()):
+        self.local_dir = Path(local_dir)
+        self.remote_dir = remote_dir
+        self.due = create_interval_scheduler(interval)
+        self.restore = restore
+        self.sent: dict[str, tuple[int, int]] = {}
+
+    def init(self, state: State, logger: Logger) -> None:
+        if dist.get_global_rank() != 0:
+            return
+        for name in self.restore:
+            local, remote = self.local_dir / name, storage.join(self.remote_dir, name)
+            if not local.exists() and storage.exists(remote):
+                storage.write_bytes(str(local), storage.read_bytes(remote))
+
+    def sync(self) -> None:
+        if dist.get_global_rank() != 0 or not self.local_dir.exists():
+            return
+        for path in sorted(p for p in self.local_dir.rglob("*") if p.is_file()):
+            stat = path.stat()
+            key = str(path.relative_to(self.local_dir))
+            if self.sent.get(key) == (stat.st_size, stat.st_mtime_ns):
+                continue
+            storage.write_bytes(storage.join(self.remote_dir, key), path.read_bytes())
+            self.sent[key] = (stat.st_size, stat.st_mtime_ns)
+
+    def batch_checkpoint(self, state: State, logger: Logger) -> None:
+        if self.due(state, Event.BATCH_CHECKPOINT):
+            self.sync()
+
+    def fit_end(self, state: State, logger: Logger) -> None:
+        self.sync()
+
+
+def write_text_file(path: str, text: str) -> None:
+    """Rank 0 writes a small file in the local run folder."""
+    if dist.get_global_rank() != 0:
+        return
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    storage.write_bytes(path, text.encode())

@@ -1,0 +1,132 @@
+"""Everything a run decides before any model is built, and can refuse cheaply: device, precision,
+batching, the dataset manifest and its contract, the pinned version, where training starts.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from shared.batching import Batching, derive_batching
+from shared.config import ConfigError
+from shared.contract import Expectation, check_compatible
+from shared.manifest import DatasetManifest
+from shared.presets import get_preset
+from shared.runtime import resolve_device_kind
+from shared.runtime import resolve_precision as resolve_job_precision
+from shared.storage import private_temp_dir
+from train.checkpoints.files import find_latest_checkpoint, resolve_checkpoint
+from train.config import TrainConfig
+from train.data.loader import PinnedData, pin_version, read_dataset_manifest
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StartPoint:
+    """Where training starts: a checkpoint to resume or initialise from, or nothing (fresh)."""
+
+    load_path: str | None = None
+    weights_only: bool = False
+    resuming: bool = False
+
+
+@dataclass
+class RunContext:
+    cfg: TrainConfig
+    run_name: str
+    device: str  # "cpu" or "gpu"
+    precision: str
+    batching: Batching
+    manifest: DatasetManifest
+    pinned: PinnedData
+    local_dir: str  # log, metrics, samples and the resolved config go here
+    start: StartPoint
+
+
+# ---------------------------------------------------------------------------------------- preparing
+def resolve_device(cfg: TrainConfig) -> str:
+    device = resolve_device_kind(cfg.device)
+    if device == "cpu" and cfg.fsdp:
+        raise ConfigError("fsdp=true needs GPUs and none is visible; pass fsdp=false for a CPU run")
+    return device
+
+
+def resolve_precision(cfg: TrainConfig, device: str) -> str:
+    """auto -> amp_bf16 on GPU, fp32 on CPU (shared/runtime.py resolves it for every job)."""
+    return resolve_job_precision(cfg.precision, device)
+
+
+def world_size() -> int:
+    from composer.utils import dist
+
+    return dist.get_world_size()
+
+
+def expected_shapes(cfg: TrainConfig) -> Expectation:
+    preset = get_preset(cfg.model.preset)
+    res = cfg.data.resolution
+    return Expectation(res, preset.latent_shape(res), preset.text_shape(), cfg.model.scale_factor)
+
+
+def check_data_contract(cfg: TrainConfig, manifest: DatasetManifest) -> None:
+    """Refuse data the model cannot use before step 1 (shapes, resolution, scale factor, contract version)."""
+    check_compatible(manifest, expected_shapes(cfg))
+
+
+def local_run_dir(cfg: TrainConfig, run_name: str) -> str:
+    if cfg.log.local_dir:
+        return cfg.log.local_dir
+    if not cfg.save_is_remote():
+        return cfg.save_folder
+    # Per user and private: a computable shared /tmp path could be planted by another user.
+    return str(private_temp_dir("sd-pretrain-runs", "log.local_dir") / run_name)
+
+
+def resolve_start(cfg: TrainConfig) -> StartPoint:
+    """Autoresume from save_folder's latest checkpoint; else load_path (maybe weights-only); else fresh."""
+    if cfg.autoresume:
+        latest = find_latest_checkpoint(cfg.save_folder)
+        if latest:
+            log.info("autoresume: continuing from %s", latest)
+            return StartPoint(latest, weights_only=False, resuming=True)
+    if cfg.load_path:
+        path = resolve_checkpoint(cfg.load_path)
+        log.info("starting from %s (%s)", path, "weights only" if cfg.load_weights_only else "full state")
+        return StartPoint(path, weights_only=cfg.load_weights_only, resuming=False)
+    return StartPoint()
+
+
+def prepare_run(cfg: TrainConfig) -> RunContext:
+    device = resolve_device(cfg)
+    precision = resolve_precision(cfg, device)
+    batching = derive_batching(cfg.global_batch_size, world_size(), cfg.device_microbatch_size)
+    manifest = read_dataset_manifest(cfg.data)
+    check_data_contract(cfg, manifest)
+    pinned = pin_version(cfg.data, manifest)
+    run_name = cfg.resolved_run_name()
+    ctx = RunContext(
+        cfg=cfg,
+        run_name=run_name,
+        device=device,
+        precision=precision,
+        batching=batching,
+        manifest=manifest,
+        pinned=pinned,
+        local_dir=local_run_dir(cfg, run_name),
+        start=resolve_start(cfg),
+    )
+    log_run(ctx)
+    return ctx
+
+
+def log_run(ctx: RunContext) -> None:
+    b, data = ctx.batching, ctx.pinned
+    log.info("run %s on %s in %s", ctx.run_name, ctx.device, ctx.precision)
+    log.info(
+        "global batch %d = %d ranks x %d (microbatch %d x %d accumulation)",
+        b.global_batch, b.world_size, b.per_rank_batch, b.microbatch, b.grad_accum,
+    )  # fmt: skip
+    log.info(
+        "data %s version %s: %d samples at %d px", data.root, data.version, data.num_samples, data.resolution
+    )

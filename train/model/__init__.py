@@ -1,0 +1,2 @@
+"""The model being trained: the diffusers U-Net assembled from a preset, the diffusion objective, the
+online text tower."""

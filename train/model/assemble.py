@@ -1,0 +1,70 @@
+"""The model the train job trains, built in one place: the train job (train/loop/trainer.py) and `make bench`
+(train/bench/) both call `assemble_model`, so the bench measures exactly what training runs.
+
+Two switches shape it beyond the preset:
+- `channels_last` (GPU only): the U-Net's weights, and every input it is called with, in NHWC layout, the
+  layout cuDNN's convolution kernels run natively (NCHW inputs pay a transpose around each conv). On CPU the
+  model stays NCHW: CPU kernels gain nothing from it at these shapes.
+- `compile`: `torch.compile` of the U-Net alone (`nn.Module.compile`, in place). The per-sample objective
+  around it is a handful of element-wise ops, not worth tracing, and compiling in place keeps every
+  parameter name as it was (no `_orig_mod.` segment), so checkpoints, EMA and export do not depend on it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from diffusers.models.resnet import ResnetBlock2D
+from diffusers.models.transformers.transformer_2d import Transformer2DModel
+
+from shared.models import build_unet as build_preset_unet
+from shared.presets import get_preset
+from train.config import TrainConfig
+from train.model.diffusion import DiffusionModel, Objective
+from train.model.online_text import OnlineText
+
+if TYPE_CHECKING:
+    from diffusers import UNet2DConditionModel
+
+
+def is_fsdp_unit(module: torch.nn.Module) -> bool:
+    """FSDP units: each transformer and ResNet block. Gathering one block's weights then overlaps the
+    previous block's compute, and only a block's full weights are alive at a time in the forward; as one
+    unit, the whole 866 M-parameter U-Net would be gathered at once before any compute starts."""
+    return isinstance(module, (Transformer2DModel, ResnetBlock2D))
+
+
+def use_channels_last(cfg: TrainConfig, device: str) -> bool:
+    """`channels_last` applies on GPU ("gpu", Composer's device name) only."""
+    return cfg.channels_last and device == "gpu"
+
+
+def build_unet(cfg: TrainConfig) -> UNet2DConditionModel:
+    """Random init with the preset's shapes (pretraining) or model.init_from's unet/."""
+    unet = build_preset_unet(get_preset(cfg.model.preset), cfg.model.init_from)
+    if cfg.model.gradient_checkpointing:
+        unet.enable_gradient_checkpointing()
+    return unet.train()
+
+
+def assemble_model(
+    cfg: TrainConfig,
+    device: str,
+    scale_factor: float,
+    empty_caption: torch.Tensor,
+    online_text: OnlineText | None = None,
+) -> DiffusionModel:
+    """The U-Net (layout and compilation per `cfg` on `device`) with its objective, still on the host;
+    `online_text`: the frozen text tower for text.store=tokens data (train/model/online_text.py)."""
+    channels_last = use_channels_last(cfg, device)
+    unet = build_unet(cfg)
+    if channels_last:
+        unet.to(memory_format=torch.channels_last)
+    if cfg.compile:
+        unet.compile()
+    # Composer 0.32 wraps each child of the ComposerModel as its own FSDP root and looks the wrap rule up
+    # on that child (the U-Net), not on the ComposerModel.
+    unet.fsdp_wrap_fn = is_fsdp_unit
+    objective = Objective(cfg.model, scale_factor, empty_caption, online_text)
+    return DiffusionModel(unet, objective, channels_last=channels_last)
