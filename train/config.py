@@ -186,6 +186,11 @@ class TrainConfig:
     # dtype FSDP reduce-scatters gradients in: fp32 (exact sums, 4 bytes per parameter per microbatch) or
     # bf16 (half the bytes; sums over many ranks lose precision). Params are gathered in `precision`'s dtype.
     fsdp_reduce_dtype: Literal["fp32", "bf16"] = "fp32"
+    # Under FSDP with several microbatches per step: accumulate unsharded gradients locally (FSDP's
+    # no_sync) and all-gather / reduce-scatter once per step instead of once per microbatch. Costs one
+    # unsharded gradient of the model per rank, accumulated in the gathered params' dtype (bf16 under
+    # amp_bf16); false: reduce every microbatch in fsdp_reduce_dtype (docs/gpu-tests.md, "Accumulation").
+    fsdp_no_sync: bool = True
     # torch.compile the U-Net (only the U-Net, in place: parameter names stay the same;
     # train/model/assemble.py).
     compile: bool = False

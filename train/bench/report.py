@@ -100,7 +100,25 @@ def scale_findings(scale: dict[str, Any]) -> list[str]:
             f"scale: the EMA update moves {comm['ema_update_bytes']:,} bytes under FSDP{flag}; an optimizer "
             f"step's collectives per parameter {agree} with the dry-run planner's formula"
         )
+        if accumulation := comm.get("accumulation"):
+            notes.append(accumulation_finding(accumulation))
     return notes
+
+
+def accumulation_finding(acc: dict[str, Any]) -> str:
+    """All-gathers / reduce-scatters per optimizer step of several microbatches, with the train job's
+    FSDP no_sync and as Composer's loop runs it (every microbatch)."""
+    parts = []
+    for strategy in ("SHARD_GRAD_OP", "FULL_SHARD"):
+        ours, every = acc[strategy]["no_sync"], acc[strategy]["sync_every_microbatch"]
+        parts.append(
+            f"{strategy} {ours['all_gathers']}/{ours['reduce_scatters']} "
+            f"(every microbatch: {every['all_gathers']}/{every['reduce_scatters']})"
+        )
+    return (
+        f"scale: {acc['microbatches']} microbatches per step over {acc['fsdp_units']} FSDP units, "
+        "all-gathers/reduce-scatters per step: " + "; ".join(parts)
+    )
 
 
 def findings(result: dict[str, Any]) -> list[str]:

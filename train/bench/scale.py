@@ -24,7 +24,7 @@ import json
 import statistics
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -47,6 +47,7 @@ from train.bench.ckpt import bytes_written_by_rank, composer_state, init_gloo, s
 from train.config import TrainConfig
 from train.ema.algorithm import build_ema
 from train.loop.comm_counter import CollectiveCount, count_collectives
+from train.loop.step import accumulation_sync
 from train.loop.trainer import parallelism_config
 from train.model.assemble import assemble_model
 from train.model.diffusion import DenoiseInput, DiffusionModel
@@ -58,6 +59,7 @@ MEASURED_PRESET = "tiny"
 MEASURED_RESOLUTION = 64
 MEASURED_MICROBATCH = 2  # samples per microbatch on the CPU ranks: the count does not depend on it
 STEP_PHASES = ("forward", "backward", "clip", "optimizer")
+ACCUMULATION = 4  # microbatches per optimizer step in the accumulation count (the 8-GPU SD2 recipe: 32)
 RESULT_NAME = "scale-collectives.json"
 PLANNER_TOLERANCE = 0.01  # measured vs formula bytes per parameter: FSDP pads each flat parameter to W
 GB = 1e9
@@ -140,16 +142,18 @@ def _as_json(count: CollectiveCount) -> dict[str, Any]:
 
 
 def count_optimizer_step(
-    model: DiffusionModel, optimizer: torch.optim.Optimizer, settings: CommSettings
+    model: DiffusionModel, optimizer: torch.optim.Optimizer, settings: CommSettings, no_sync: bool = True
 ) -> dict[str, dict[str, Any]]:
-    """One optimizer step as Composer runs it under FSDP: `grad_accum` microbatches, each a forward and a
-    backward (no `no_sync`: Composer applies it to DDP only), clipping, the optimizer; counted by phase."""
+    """One optimizer step as the train job runs it under FSDP: `grad_accum` microbatches, each a forward and
+    a backward inside `accumulation_sync` (the trainer's FSDP no_sync; `no_sync=False`: Composer's own loop,
+    which syncs every microbatch), clipping, the optimizer; counted by phase."""
     counts = {phase: CollectiveCount() for phase in STEP_PHASES}
-    for _ in range(settings.grad_accum):
+    for index in range(settings.grad_accum):
         inputs, target = microbatch_input(MEASURED_MICROBATCH)
-        with count_collectives() as forward:
+        final = not no_sync or index + 1 == settings.grad_accum
+        with accumulation_sync(model, final), count_collectives() as forward:
             loss = (model(inputs).float() - target).square().mean() / settings.grad_accum
-        with count_collectives() as backward:
+        with accumulation_sync(model, final), count_collectives() as backward:
             loss.backward()
         _add(counts["forward"], forward)
         _add(counts["backward"], backward)
@@ -160,6 +164,52 @@ def count_optimizer_step(
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     return {phase: _as_json(count) for phase, count in counts.items()}
+
+
+def count_accumulation(settings: CommSettings) -> dict[str, Any]:
+    """Collective calls per optimizer step of ACCUMULATION microbatches, per sharding strategy, with the
+    train job's no_sync and without it (Composer's FSDP loop), each on a freshly wrapped tiny U-Net."""
+    out: dict[str, Any] = {"microbatches": ACCUMULATION, "fsdp_units": 0}
+    for strategy in ("SHARD_GRAD_OP", "FULL_SHARD"):
+        accumulating = replace(settings, strategy=strategy, grad_accum=ACCUMULATION)
+        torch.manual_seed(0)
+        model = tiny_model()
+        wrap_like_composer(model, accumulating)
+        out["fsdp_units"] = len(FullyShardedDataParallel.fsdp_modules(model.unet))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        for no_sync in (True, False):
+            count_optimizer_step(model, optimizer, accumulating, no_sync)  # warm-up
+            step = count_optimizer_step(model, optimizer, accumulating, no_sync)
+            calls: dict[str, int] = {}
+            for phase in step.values():
+                for name, n in phase["calls"].items():
+                    calls[name] = calls.get(name, 0) + n
+            key = "no_sync" if no_sync else "sync_every_microbatch"
+            out.setdefault(strategy, {})[key] = {
+                "all_gathers": sum(n for name, n in calls.items() if "all_gather" in name),
+                "reduce_scatters": sum(n for name, n in calls.items() if "reduce_scatter" in name),
+                "bytes": sum(phase["bytes"] for phase in step.values()),
+            }
+        synced, accumulated = (accumulated_grads(model, accumulating, no_sync) for no_sync in (False, True))
+        out[strategy]["grad_max_rel_diff"] = max(
+            ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
+            for a, b in zip(accumulated, synced, strict=True)
+        )
+    return out
+
+
+def accumulated_grads(model: DiffusionModel, settings: CommSettings, no_sync: bool) -> list[torch.Tensor]:
+    """This rank's gradient shards after `grad_accum` seeded microbatches (then zeroed): the same inputs
+    with and without no_sync, so the two differ only by where the sum is taken and in which dtype."""
+    torch.manual_seed(1)
+    for index in range(settings.grad_accum):
+        inputs, target = microbatch_input(MEASURED_MICROBATCH)
+        final = not no_sync or index + 1 == settings.grad_accum
+        with accumulation_sync(model, final):
+            ((model(inputs).float() - target).square().mean() / settings.grad_accum).backward()
+    grads = [p.grad.detach().float().clone() for p in model.parameters() if p.grad is not None]
+    model.zero_grad(set_to_none=True)
+    return grads
 
 
 def _add(total: CollectiveCount, part: CollectiveCount) -> None:
@@ -215,9 +265,11 @@ def _rank_main(rank: int, work: str, settings: CommSettings, ckpt: dict[str, int
     count_optimizer_step(model, optimizer, settings)  # warm-up: lazy optimizer state, FSDP's first-run setup
     step = count_optimizer_step(model, optimizer, settings)
     ema = count_ema_update(model, smoothing=0.9999)
+    accumulation = count_accumulation(settings)
     checkpoint = checkpoint_costs(rank, Path(work), ckpt["width"], ckpt["depth"], ckpt["repeats"])
     if rank == 0:
         result = {"params": params, "settings": asdict(settings), "step": step, "ema": ema}
+        result["accumulation"] = accumulation
         (Path(work) / RESULT_NAME).write_text(json.dumps(result | {"checkpoint": checkpoint}))
     dist.barrier()
     dist.destroy_process_group()
@@ -229,6 +281,22 @@ def measure_collectives(ckpt_width: int = 256, ckpt_depth: int = 4, ckpt_repeats
     ckpt = {"width": ckpt_width, "depth": ckpt_depth, "repeats": ckpt_repeats}
     with tempfile.TemporaryDirectory(prefix="sd-bench-scale-") as work:
         mp.spawn(_rank_main, args=(work, settings, ckpt), nprocs=SCALE_RANKS, join=True)
+        return json.loads((Path(work) / RESULT_NAME).read_text())
+
+
+def _accumulation_main(rank: int, work: str, settings: CommSettings) -> None:
+    init_gloo(rank, SCALE_RANKS, work, tag="-accum")
+    counts = count_accumulation(settings)
+    if rank == 0:
+        (Path(work) / RESULT_NAME).write_text(json.dumps(counts))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def measure_accumulation() -> dict[str, Any]:
+    """Only the accumulation count, on its own 2-rank job (rank 0's counts)."""
+    with tempfile.TemporaryDirectory(prefix="sd-bench-accum-") as work:
+        mp.spawn(_accumulation_main, args=(work, shipped_settings()), nprocs=SCALE_RANKS, join=True)
         return json.loads((Path(work) / RESULT_NAME).read_text())
 
 
@@ -299,4 +367,5 @@ def summarize_collectives(raw: dict[str, Any]) -> dict[str, Any]:
         ),
         "sd2_gb_per_rank_per_step": {k: round(v * sd2_ring / GB, 3) for k, v in measured.items()},
         "checkpoint": raw["checkpoint"],
+        "accumulation": raw.get("accumulation", {}),
     }

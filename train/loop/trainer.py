@@ -271,6 +271,7 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
             device_train_microbatch_size=ctx.batching.microbatch,
             seed=cfg.seed,
             compile_config=None,  # cfg.compile compiles the U-Net alone (train/model/assemble.py)
+            fsdp_no_sync=cfg.fsdp_no_sync,  # accumulation without per-microbatch collectives (step.py)
         )
 
 

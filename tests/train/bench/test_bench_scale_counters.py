@@ -13,14 +13,22 @@ from typing import Any
 import pytest
 
 from train.bench.config import load_bench_config
-from train.bench.report import scale_findings
+from train.bench.report import accumulation_finding, scale_findings
 from train.bench.run import scale_counters
-from train.bench.scale import planner_bytes_per_param, shipped_settings, summarize_collectives
+from train.bench.scale import (
+    measure_accumulation,
+    planner_bytes_per_param,
+    shipped_settings,
+    summarize_collectives,
+)
 from train.bench.scale_s3 import quiet_steps, summarize_requests
 
 # Counted on 2 ranks: SD2's shipped settings gather bf16 params (2 bytes) once and reduce-scatter fp32
 # gradients (4 bytes) once per optimizer step.
 SHIPPED_BYTES_PER_PARAM = {"all_gather": 2.0, "reduce_scatter": 4.0}
+# Largest |difference| of a gradient tensor, relative to its largest entry, between 4 microbatches summed in
+# bf16 (no_sync) and in fp32 after each reduce-scatter: a few bf16 ulps (2**-8 = 0.4% each); 0.8% measured.
+ACCUMULATION_GRAD_TOLERANCE = 0.02
 
 
 def counters(tmp_path: Path, *overrides: str) -> dict[str, Any]:
@@ -112,3 +120,36 @@ def test_planner_disagreement_is_reported() -> None:
         "reduce_scatter": 4.0,
     }
     assert not summarize_collectives(raw)["planner_agrees"]
+
+
+@pytest.mark.dist
+@pytest.mark.slow  # one 2-rank job (~1 min on 2 loaded cores)
+def test_accumulation_gathers_and_reduces_once_per_step_under_fsdp() -> None:
+    """Issue 22 (3): with 4 microbatches per step, the train job's FSDP no_sync (train/loop/step.py
+    `accumulation_sync`, the function LeanTrainer calls) all-gathers and reduce-scatters once per FSDP unit
+    per step under SHARD_GRAD_OP; Composer's loop (sync every microbatch) does both 4 times. FULL_SHARD
+    frees the parameters after each forward and backward, so only its reduce-scatters drop. The gradient
+    the optimizer sees is the same up to bf16 accumulation."""
+    acc = measure_accumulation()
+    units, n = acc["fsdp_units"], acc["microbatches"]
+    assert n == 4 and units > 10  # the tiny U-Net's ResNet and transformer blocks, and the root
+    grad_op = acc["SHARD_GRAD_OP"]
+    assert grad_op["no_sync"] | {"bytes": 0} == {"all_gathers": units, "reduce_scatters": units, "bytes": 0}
+    assert grad_op["sync_every_microbatch"]["all_gathers"] == n * units  # the positive control
+    assert grad_op["sync_every_microbatch"]["reduce_scatters"] == n * units
+    assert grad_op["sync_every_microbatch"]["bytes"] == pytest.approx(
+        n * grad_op["no_sync"]["bytes"], rel=1e-3
+    )
+    full = acc["FULL_SHARD"]
+    assert full["no_sync"]["reduce_scatters"] == units
+    assert full["sync_every_microbatch"]["reduce_scatters"] == n * units
+    # re-gathered in each forward and each backward (the root keeps its parameters between the two)
+    assert (
+        full["no_sync"]["all_gathers"] == full["sync_every_microbatch"]["all_gathers"] == n * (2 * units - 1)
+    )
+    # bf16 params (the recipe's amp_bf16): no_sync sums the microbatches' bf16 gradients in bf16
+    for strategy in ("SHARD_GRAD_OP", "FULL_SHARD"):
+        assert acc[strategy]["grad_max_rel_diff"] < ACCUMULATION_GRAD_TOLERANCE, acc[strategy]
+    assert f"SHARD_GRAD_OP {units}/{units} (every microbatch: {n * units}/{n * units})" in (
+        accumulation_finding(acc)
+    )
