@@ -4,13 +4,21 @@ The prompts are encoded once with the text encoder the dataset names (its manife
 whichever text.store it has); the unconditional embedding is the manifest's `empty_caption_embedding`,
 exactly what caption dropout trained on (text.store=tokens computes that same embedding online). The
 starting noise is fixed by `samples.seed`, so grids compare over training.
+
+The text tower, its tokenizer and the VAE are loaded when the trainer is built (`preload`), before any
+collective: local rank 0 first (a hub id downloads into the node's cache), the other ranks of the node after
+it, from that copy. Loading them at the first render (step 5000 of the recipe) would run a download inside
+the window the other ranks wait for in a collective (Composer's 300 s timeout).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-from collections.abc import Callable
+import socket
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -128,20 +136,24 @@ class SampleRenderer(Callback):
             self.last_rendered = batch
             self.render(state)
 
-    def _prepare(self, device: torch.device) -> None:
-        """Build the VAE and encode the prompts once (the text encoder is dropped afterwards)."""
-        preset = get_preset(self.model_cfg.preset)
-        text = self.encoder.build_text_encoder()
-        prompts = [p for p in self.cfg.prompts for _ in range(self.cfg.images_per_prompt)]
-        self.prompt_embeddings = text.encode(prompts).to(device)
-        self.vae = build_vae(preset, self.encoder.pretrained).to(device)
+    def preload(self) -> None:
+        """Build the VAE and encode the prompts now, on the host (the text encoder is dropped afterwards);
+        local rank 0 first, then the node's other ranks (module doc). Never inside a collective window."""
+        with local_rank_zero_first(self.out_dir):
+            preset = get_preset(self.model_cfg.preset)
+            text = self.encoder.build_text_encoder()
+            prompts = [p for p in self.cfg.prompts for _ in range(self.cfg.images_per_prompt)]
+            self.prompt_embeddings = text.encode(prompts)
+            self.vae = build_vae(preset, self.encoder.pretrained)
 
     def render(self, state: State) -> None:
         """Sample on every rank (an FSDP forward is collective); rank 0 writes the grid."""
         device = next(state.model.parameters()).device
         if self.prompt_embeddings is None:
-            self._prepare(device)
+            self.preload()  # a renderer built outside the trainer (build_callbacks preloads)
         assert self.prompt_embeddings is not None
+        self.prompt_embeddings = self.prompt_embeddings.to(device)  # a device copy, once
+        self.vae = self.vae.to(device)
         with use_ema_weights(state), get_precision_context(state.precision):
             was_training = state.model.training
             state.model.eval()
@@ -171,6 +183,31 @@ class SampleRenderer(Callback):
             self.latent_shape,
             torch.Generator().manual_seed(self.cfg.seed),
         )
+
+
+LOADED_MARKER = ".loaded-{host}-{launch}"  # one per node and per launch: ranks of a new launch never see it
+LOAD_WAIT_S = 3600.0  # a hub download of SD2's text tower and VAE (~1.7 GB) over a slow link
+
+
+@contextlib.contextmanager
+def local_rank_zero_first(marker_dir: str, timeout_s: float = LOAD_WAIT_S) -> Iterator[None]:
+    """Local rank 0 runs the body first and then writes a marker; the node's other ranks wait for the
+    marker (polling a file, no collective and so no collective timeout) and then run the body, which finds
+    rank 0's local copy. The marker is named by the host and the launcher's pid (the ranks' common parent
+    under torchrun and Composer's launcher), so one left by an earlier launch is never taken for this one."""
+    marker = os.path.join(marker_dir, LOADED_MARKER.format(host=socket.gethostname(), launch=os.getppid()))
+    if dist.get_local_rank() != 0:
+        deadline = time.monotonic() + timeout_s
+        while not os.path.exists(marker):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"local rank 0 did not finish loading in {timeout_s:.0f} s ({marker})")
+            time.sleep(0.2)
+        yield
+        return
+    yield
+    os.makedirs(marker_dir, exist_ok=True)
+    with open(marker, "w") as f:
+        f.write("loaded\n")
 
 
 class use_ema_weights:

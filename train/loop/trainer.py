@@ -129,17 +129,17 @@ def build_callbacks(ctx: RunContext, model: DiffusionModel) -> list[Any]:
         callbacks.append(MemoryMonitor())
     if cfg.samples.enabled:
         preset = get_preset(cfg.model.preset)
-        callbacks.append(
-            SampleRenderer(
-                cfg.samples,
-                cfg.model,
-                ctx.manifest.identity,
-                model.objective.empty_caption,
-                preset.latent_shape(cfg.data.resolution),
-                ctx.manifest.scale_factor,
-                os.path.join(ctx.local_dir, SAMPLES_DIRNAME),
-            )
+        renderer = SampleRenderer(
+            cfg.samples,
+            cfg.model,
+            ctx.manifest.identity,
+            model.objective.empty_caption,
+            preset.latent_shape(cfg.data.resolution),
+            ctx.manifest.scale_factor,
+            os.path.join(ctx.local_dir, SAMPLES_DIRNAME),
         )
+        renderer.preload()  # text tower, tokenizer and VAE now, not at the first render (samples.py)
+        callbacks.append(renderer)
     if cfg.save_is_remote():
         restore = (METRICS_FILENAME,)
         callbacks.append(ArtifactMirror(ctx.local_dir, cfg.save_folder, cfg.save_interval, restore=restore))
