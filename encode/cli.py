@@ -65,10 +65,13 @@ def run(
     from encode.publish.finalize import publish
     from encode.report import print_publish, print_rank
     from encode.sources import list_partitions
+    from shared.runtime import unused_gpus_warning
 
     setup_logging()
     cfg = load(dataset, overrides)
     rank = RankInfo.from_env()
+    if warning := unused_gpus_warning("encode"):
+        typer.secho(warning, err=True, fg="yellow", bold=True)
     start = time.perf_counter()
     with user_errors():
         partitions = list_partitions(cfg.source)  # a wrong path fails here, before the models load

@@ -99,3 +99,17 @@ def resolve_device_setup(requested: str, precision: str, channels_last: bool) ->
     precision = resolve_precision(precision, kind)
     device = torch.device("cuda", torch.cuda.current_device()) if kind == "gpu" else torch.device("cpu")
     return DeviceSetup(device, kind, describe_device(device), precision, channels_last and kind == "gpu")
+
+
+def unused_gpus_warning(job: str, device_count: int | None = None, env: dict[str, str] | None = None) -> str:
+    """A loud line when a single-process job (no launcher: no WORLD_SIZE) sees more than one GPU and so
+    uses one of them; "" otherwise. `make train` / `make encode` without GPUS= run that way; the fix is to
+    pass GPUS=<n> (torchrun, one process a GPU)."""
+    env = dict(os.environ) if env is None else env
+    count = torch.cuda.device_count() if device_count is None else device_count
+    if count <= 1 or "WORLD_SIZE" in env:
+        return ""
+    return (
+        f"WARNING: {count} GPUs are visible but this {job} runs ONE process on ONE GPU; "
+        f"use all of them with `make {job} GPUS={count}` (or `python -m {job} launch --gpus {count}`)"
+    )

@@ -66,10 +66,18 @@ def fit(
 
     try:
         cfg = load_config(TrainConfig, config, overrides or [], kind="train")
+        _warn_unused_gpus()
         trainer = run_fit(cfg)
     except (*_user_errors(), DatasetChangedError) as err:
         _fail(err)
     typer.echo(f"done at {trainer.state.timestamp.batch.value} batches; checkpoints in {cfg.save_folder}")
+
+
+def _warn_unused_gpus() -> None:
+    from shared.runtime import unused_gpus_warning
+
+    if warning := unused_gpus_warning("train"):
+        typer.secho(warning, err=True, fg="yellow", bold=True)
 
 
 @app.command()
