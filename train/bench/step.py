@@ -36,6 +36,7 @@ from train.data.draws import DRAW_COLUMNS, SAMPLE_SEED, attach_draws
 from train.loop.trainer import build_optimizer
 from train.model.assemble import assemble_model
 from train.model.diffusion import DiffusionModel
+from train.model.kernels import enable_cudnn_benchmark
 
 TERA = 1e12
 # Stored posteriors of a real VAE have log-variances around here; only the shape and dtype matter for speed.
@@ -80,6 +81,7 @@ def build_diffusion_model(train_cfg: TrainConfig, setup: DeviceSetup) -> Diffusi
     preset = get_preset(train_cfg.model.preset)
     empty = torch.zeros(preset.text_shape())
     model = assemble_model(train_cfg, setup.kind, preset.scale_factor, empty)
+    enable_cudnn_benchmark(setup.kind)  # as the train job (train/loop/trainer.py build_model)
     return model.to(setup.device)  # keeps the layout assemble_model chose
 
 

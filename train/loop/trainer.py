@@ -31,6 +31,7 @@ from train.data.packing import packed_data_spec
 from train.loop.prepare import RunContext, prepare_run
 from train.model.assemble import assemble_model, build_unet  # noqa: F401  (build_unet: re-exported for callers)
 from train.model.diffusion import DiffusionModel
+from train.model.kernels import enable_cudnn_benchmark, fit_recompile_limit
 from train.model.online_text import online_text_for
 
 if TYPE_CHECKING:
@@ -48,7 +49,10 @@ def build_model(ctx: RunContext) -> DiffusionModel:
     """The model for this run's device (train/model/assemble.py; `make bench` builds it the same way)."""
     empty = torch.from_numpy(ctx.manifest.empty_caption_embedding.astype("float32"))
     online = online_text_for(ctx.manifest, ctx.cfg.model.text_encoder)  # text.store=tokens only
-    return assemble_model(ctx.cfg, ctx.device, ctx.manifest.scale_factor, empty, online)
+    model = assemble_model(ctx.cfg, ctx.device, ctx.manifest.scale_factor, empty, online)
+    enable_cudnn_benchmark(ctx.device)  # fixed shapes (train/model/kernels.py)
+    fit_recompile_limit(model.unet, ctx.cfg.fsdp, ctx.cfg.compile)
+    return model
 
 
 def run_record(ctx: RunContext, model: DiffusionModel) -> dict[str, Any]:

@@ -2,7 +2,8 @@
 sync inside the step (issue 11).
 
 - bf16 + channels_last + compiled U-Net + FSDP (SHARD_GRAD_OP) on one GPU: 10 steps, a resume to 20, an
-  export that StableDiffusionPipeline loads;
+  export that StableDiffusionPipeline loads; the U-Net counts as compiled through Composer's FSDP wrapper,
+  and cuDNN autotuning is on;
 - the step (objective, U-Net forward and backward, optimizer) under `torch.cuda.set_sync_debug_mode`, with
   its warnings turned into errors: not one sync;
 - the real trainer on the GPU: read-backs only at log and checkpoint steps, as on CPU.
@@ -18,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch.distributed.fsdp import FullyShardedDataParallel
 
 from shared.presets import get_preset
 from shared.runtime import resolve_device_setup
@@ -26,6 +28,7 @@ from tests.train.loop.test_step_syncs import LOG_EVERY, SAVE_AT, STEPS, run_coun
 from train.bench.step import StepBench, synthetic_latent_batch, train_step
 from train.export.pipeline import export_pipeline
 from train.loop.trainer import fit
+from train.model.kernels import is_compiled, max_graphs_under_fsdp, unwrapped
 
 pytestmark = pytest.mark.gpu
 
@@ -45,10 +48,19 @@ def gpu_config(data: str, base: Path, *extra: str) -> Any:
 def test_bf16_channels_last_compiled_fsdp_trains_resumes_and_exports(
     tiny_dataset: str, tmp_path: Path
 ) -> None:
-    first = fit(gpu_config(tiny_dataset, tmp_path, "fsdp=true", "max_duration=10ba", "save_interval=10ba"))
+    torch._dynamo.reset()
+    # every FSDP unit compiled, none left eager by dynamo's recompile limit (train/model/kernels.py)
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        first = fit(
+            gpu_config(tiny_dataset, tmp_path, "fsdp=true", "max_duration=10ba", "save_interval=10ba")
+        )
     model = first.state.model
-    assert model.unet._compiled_call_impl is not None and model.memory_format == torch.channels_last
-    assert first.state.fsdp_enabled
+    # Composer replaced model.unet with its FSDP wrapper, whose own _compiled_call_impl is None (issue 22)
+    assert isinstance(model.unet, FullyShardedDataParallel) and is_compiled(model.unet)
+    assert model.memory_format == torch.channels_last and first.state.fsdp_enabled
+    assert torch.backends.cudnn.benchmark
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert 0 < graphs <= 2 * max_graphs_under_fsdp(unwrapped(model.unet)), graphs
     resumed = fit(gpu_config(tiny_dataset, tmp_path, "fsdp=true", "max_duration=20ba", "save_interval=10ba"))
     assert int(resumed.state.timestamp.batch) == 20
     lines = [json.loads(line) for line in (tmp_path / "save" / "metrics.jsonl").read_text().splitlines()]

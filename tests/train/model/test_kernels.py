@@ -1,0 +1,86 @@
+"""Issue 22 (5): torch.compile under per-block FSDP, on CPU (gloo, 1 rank, a counting dynamo backend instead
+of inductor: which graphs dynamo makes does not depend on the backend).
+
+- the compiled U-Net is seen as compiled through the FSDP wrapper Composer puts around it (the wrapper's
+  own `_compiled_call_impl` is None: the GPU test's old assertion failed on it);
+- one graph per FSDP unit plus one on the tiny U-Net (`max_graphs_under_fsdp`); with a recompile limit
+  below its transformer blocks dynamo gives up on the rest (a hard error here), and `fit_recompile_limit`
+  raises the limit so that every block compiles;
+- SD2-base's block counts (22 ResNet, 16 transformer blocks) are over dynamo's default limit of 8.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch._dynamo.testing import CompileCounter
+from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
+from torch.distributed.fsdp.wrap import CustomPolicy
+
+from shared.presets import SD2_UNET
+from train.bench.scale import microbatch_input, tiny_model
+from train.model.assemble import is_fsdp_unit
+from train.model.kernels import (
+    enable_cudnn_benchmark,
+    fit_recompile_limit,
+    is_compiled,
+    max_graphs_under_fsdp,
+    unit_instances,
+)
+
+
+@pytest.fixture
+def one_rank_group(tmp_path: Path) -> Iterator[None]:
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def fsdp_per_block(unet: torch.nn.Module) -> FullyShardedDataParallel:
+    return FullyShardedDataParallel(
+        unet, auto_wrap_policy=CustomPolicy(is_fsdp_unit), device_id=torch.device("cpu"),
+        use_orig_params=True, sharding_strategy=ShardingStrategy.SHARD_GRAD_OP,
+    )  # fmt: skip
+
+
+def test_sd2_blocks_exceed_the_default_recompile_limit() -> None:
+    from diffusers import UNet2DConditionModel
+
+    narrow = dict(SD2_UNET, block_out_channels=[40, 80, 160, 160], norm_num_groups=8, cross_attention_dim=32)
+    unet = UNet2DConditionModel(**narrow)  # SD2-base's block structure at a fraction of its width
+    assert unit_instances(unet) == {"ResnetBlock2D": 22, "Transformer2DModel": 16}
+    assert max_graphs_under_fsdp(unet) == 39
+    with torch._dynamo.config.patch(recompile_limit=8):
+        assert fit_recompile_limit(unet, fsdp=False, compile=True) == ""  # not wrapped per block
+        warning = fit_recompile_limit(unet, fsdp=True, compile=True)
+        assert "recompile_limit of 8" in warning and torch._dynamo.config.recompile_limit == 22
+    enable_cudnn_benchmark("cpu")
+    assert not torch.backends.cudnn.benchmark  # a CPU run leaves cuDNN alone
+
+
+@pytest.mark.slow  # dynamo traces the tiny U-Net (~1 min on 2 loaded cores)
+def test_compiled_unet_under_fsdp_makes_one_graph_per_unit_within_the_limit(one_rank_group: None) -> None:
+    torch.manual_seed(0)
+    model = tiny_model()
+    counted = CompileCounter()
+    model.unet.compile(backend=counted)
+    # each transformer block is its own cache entry of one code object (module doc of kernels.py)
+    below = unit_instances(model.unet)["Transformer2DModel"] - 1
+    model.unet = fsdp_per_block(model.unet)
+    assert model.unet._compiled_call_impl is None and is_compiled(model.unet)
+    inputs, _ = microbatch_input(2)
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(recompile_limit=below, fail_on_recompile_limit_hit=True):
+        with pytest.raises(Exception, match=r"recompile_limit|cache_size_limit"):
+            model(inputs)  # dynamo would leave the last block of the most common class eager
+        torch._dynamo.reset()
+        counted.clear()
+        assert fit_recompile_limit(model.unet.module, fsdp=True, compile=True)
+        model(inputs)
+    assert counted.frame_count == max_graphs_under_fsdp(model.unet.module)
