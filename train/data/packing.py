@@ -34,13 +34,15 @@ def _align(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-def pack_columns(columns: dict[str, torch.Tensor]) -> dict[str, Any]:
-    """{name: tensor} -> {PACKED: uint8 buffer, LAYOUT: json}: one copy of each column into the buffer."""
+def pack_columns(columns: dict[str, torch.Tensor], pin: bool = False) -> dict[str, Any]:
+    """{name: tensor} -> {PACKED: uint8 buffer, LAYOUT: json}: one copy of each column into the buffer,
+    page-locked when `pin` (its copy to the GPU is then asynchronous; from pageable memory CUDA stages it
+    through a pinned bounce buffer and the host waits)."""
     layout, offset = [], 0
     for name, tensor in columns.items():
         layout.append([name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape), offset])
         offset = _align(offset + tensor.numel() * tensor.element_size())
-    buffer = torch.empty(offset, dtype=torch.uint8)
+    buffer = torch.empty(offset, dtype=torch.uint8, pin_memory=pin)
     for (_, _, _, start), tensor in zip(layout, columns.values(), strict=True):
         flat = tensor.contiguous().reshape(-1).view(torch.uint8)
         buffer[start : start + flat.numel()].copy_(flat)
@@ -81,14 +83,16 @@ def num_samples(batch: Any) -> int:
 
 def split_packed(batch: Any, microbatch_size: int | float) -> list[Any]:
     """Packed microbatches of `microbatch_size` samples (the last may be smaller); one microbatch is the
-    batch itself, more are repacked on the host (accumulation > 1, which the dry run warns about)."""
+    batch itself, more are repacked on the host (accumulation > 1, which the dry run warns about), into
+    pinned buffers when the loader pinned the batch (it does on a GPU machine)."""
     size = int(microbatch_size)
     if num_samples(batch) <= size:
         return [batch]
+    pin = bool(batch[PACKED].is_pinned())
     columns = unpack(batch)
     chunks = {name: torch.split(tensor, size) for name, tensor in columns.items()}
     count = len(next(iter(chunks.values())))
-    return [pack_columns({name: parts[i] for name, parts in chunks.items()}) for i in range(count)]
+    return [pack_columns({name: parts[i] for name, parts in chunks.items()}, pin) for i in range(count)]
 
 
 def packed_data_spec(dataloader: Any) -> Any:

@@ -3,6 +3,9 @@ microbatches split like the unpacked columns, and Streaming counts samples, not 
 
 from __future__ import annotations
 
+from typing import Any
+
+import pytest
 import torch
 
 from shared.contract import LATENT_MEAN
@@ -52,3 +55,30 @@ def test_streaming_counts_a_packed_batch_in_samples() -> None:
     loader = _packed_loader_class().__new__(_packed_loader_class())
     loader._iterator = None  # what __init__ would set; its __del__ reads it
     assert loader._get_batch_size(collate_packed(rows(3))) == 3
+
+
+def test_microbatches_of_a_pinned_batch_are_pinned(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 22 (5): repacked microbatches keep the loader's pinning, so each copy to the GPU stays
+    asynchronous. No CUDA here: the pinned allocation is recorded instead of made (the gpu test below
+    makes it)."""
+    batch = collate_packed(rows(5))
+    assert not any(p[PACKED].is_pinned() for p in split_packed(batch, 2))  # unpinned in, unpinned out
+    asked: list[bool] = []
+    real_empty = torch.empty
+
+    def empty(*args: Any, pin_memory: bool = False, **kwargs: Any) -> torch.Tensor:
+        asked.append(pin_memory)
+        return real_empty(*args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self, *a: True)
+    monkeypatch.setattr(torch, "empty", empty)
+    parts = split_packed(batch, 2)
+    assert asked == [True, True, True] and [num_samples(p) for p in parts] == [2, 2, 1]
+
+
+@pytest.mark.gpu
+def test_microbatches_of_a_pinned_batch_are_pinned_on_a_gpu_machine() -> None:
+    batch = collate_packed(rows(5))
+    batch[PACKED] = batch[PACKED].pin_memory()  # as the loader hands it over (pin_memory=True on CUDA)
+    parts = split_packed(batch, 2)
+    assert all(p[PACKED].is_pinned() for p in parts)
