@@ -20,7 +20,7 @@ LAUNCH_FLAGS = --gpus $(or $(GPUS),1) --launcher $(LAUNCHER) $(if $(NODES),--nod
 	$(if $(EFA),--efa) $(if $(DRY_RUN),--dry-run) $(LAUNCH_ARGS)
 
 .DEFAULT_GOAL := help
-.PHONY: help install demo test test-quick lint format encode encode-gc train export bench estimate tiny-vae lock clean
+.PHONY: help install demo test test-quick test-gpu lint format encode encode-gc train export bench estimate tiny-vae lock clean
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | column -t -s '	'
@@ -42,6 +42,9 @@ test: $(STAMP)  ## the full suite, as CI runs it
 
 test-quick: $(STAMP)  ## everything but the slow tests
 	$(BIN)/python -m pytest -q -m 'not slow' $(PYTEST_ARGS)
+
+test-gpu: $(STAMP)  ## the GPU test list (docs/gpu-tests.md): 1-GPU bf16+compile+FSDP, 2-GPU torchrun -> 1-GPU resume, encode 512 px peak memory
+	GPU_TESTS_OUT=$(OUT)/gpu-tests $(BIN)/python -m pytest -q -m gpu -rs $(PYTEST_ARGS)
 
 lint: $(STAMP)  ## ruff lint + format check
 	$(BIN)/ruff check .

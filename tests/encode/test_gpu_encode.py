@@ -1,0 +1,66 @@
+"""On a GPU: encode at 512 px with the shipped recipe's batch (jobs/datasets/laion400m.yaml) through
+`Encoders.encode_images` (uint8 to the device, fp16 autocast, channels_last VAE), SD2-base's shapes with
+random weights (no hub). Records the peak memory next to the computed estimate (encode/process/memory.py)
+in $GPU_TESTS_OUT/encode-512-peak.json (default outputs/gpu-tests) and asserts it fits a 40 GB A100."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from encode.config import EncodeConfig
+from encode.process.encoders import Encoders
+from encode.process.memory import A100_40GB_USABLE
+from shared.config import load_config
+from shared.models import build_text_encoder, build_vae
+from shared.presets import get_preset
+
+pytestmark = pytest.mark.gpu
+
+RESOLUTION = 512
+COMPUTED_PER_IMAGE = 540 * 2**20  # encode/process/memory.py, SD2's VAE encoder at 512 px
+GIB = 2**30
+
+
+def test_encode_512px_at_the_recipe_batch_fits_a_40gb_a100(record_property: Any) -> None:
+    cfg = load_config(EncodeConfig, "laion400m", [], kind="datasets")
+    batch = cfg.encoder.batch_size
+    preset = dataclasses.replace(get_preset("sd2-base"), pretrained=None, vae_weights=None)  # random init
+    device = torch.device("cuda")
+    vae = build_vae(preset).to(device).to(memory_format=torch.channels_last)
+    text = build_text_encoder(preset)
+    text.to(device)
+    encoders = Encoders(preset, vae, text, device, cfg.encoder.precision, ids=None)  # type: ignore[arg-type]
+    rng = np.random.default_rng(0)
+    pixels = [rng.integers(0, 256, (RESOLUTION, RESOLUTION, 3), dtype=np.uint8) for _ in range(batch)]
+    encoders.encode_text(["a photo of a cat"] * batch)
+    encoders.encode_images(pixels)  # cuDNN's algorithm search and the allocator's first growth
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    mean, _ = encoders.encode_images(pixels)
+    torch.cuda.synchronize()
+    assert mean.shape == (batch, *preset.latent_shape(RESOLUTION))
+    peak, reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
+    result = {
+        "device": torch.cuda.get_device_name(),
+        "resolution": RESOLUTION,
+        "batch": batch,
+        "peak_allocated_gib": round(peak / GIB, 2),
+        "peak_reserved_gib": round(reserved / GIB, 2),
+        "computed_activation_gib": round(batch * COMPUTED_PER_IMAGE / GIB, 2),
+        "a100_40gb_usable_gib": round(A100_40GB_USABLE / GIB, 2),
+    }
+    out = Path(os.environ.get("GPU_TESTS_OUT", "outputs/gpu-tests"))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "encode-512-peak.json").write_text(json.dumps(result, indent=2))
+    for key, value in result.items():
+        record_property(key, value)
+    print(json.dumps(result))
+    assert reserved < A100_40GB_USABLE, result
