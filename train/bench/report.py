@@ -254,6 +254,17 @@ def _comm_rows(comm: dict[str, Any]) -> list[list[str]]:
             f"{sd2['all_gather']:.3f} + {sd2['reduce_scatter']:.3f} GB",
         ],
     ]
+    acc = comm.get("accumulation") or {}
+    for strategy in ("SHARD_GRAD_OP", "FULL_SHARD") if acc else ():
+        ours, every = acc[strategy]["no_sync"], acc[strategy]["sync_every_microbatch"]
+        rows.append(
+            [
+                f"all-gathers / reduce-scatters per step, {acc['microbatches']} microbatches, {strategy}",
+                f"{ours['all_gathers']} / {ours['reduce_scatters']}",
+                f"without no_sync {every['all_gathers']} / {every['reduce_scatters']}; "
+                f"{acc['fsdp_units']} FSDP units",
+            ]
+        )
     ckpt = comm["checkpoint"]
     for fmt in ("full", "sharded"):
         per_rank = " / ".join(f"{b / 1e6:.2f}" for b in ckpt[fmt]["bytes_per_rank"])
