@@ -110,6 +110,21 @@ def strategy_of(cfg: TrainConfig) -> Strategy:
     return cfg.fsdp_sharding_strategy if cfg.fsdp else "DDP"
 
 
+def accumulation_note(cfg: TrainConfig, batching: Batching) -> str:
+    """What several microbatches per step cost under FSDP (docs/gpu-tests.md, "Gradient accumulation")."""
+    steps = plural(batching.grad_accum, "accumulation step")
+    bigger = f"raise device_microbatch_size to {batching.per_rank_batch} if it fits in GPU memory"
+    if not cfg.fsdp_no_sync:
+        return (
+            f"{steps} under FSDP: every microbatch gathers the parameters and reduce-scatters the gradients "
+            f"again (fsdp_no_sync=false); set fsdp_no_sync=true, or {bigger}"
+        )
+    return (
+        f"{steps} under FSDP: gradients accumulate unsharded (fsdp_no_sync: 2 bytes a parameter per rank, "
+        f"summed in bf16) and are reduced once a step; {bigger}"
+    )
+
+
 def cluster_lines(
     cfg: TrainConfig, topology: Topology, batching: Batching, write_gb_per_s: float
 ) -> tuple[list[str], list[str]]:
@@ -117,11 +132,7 @@ def cluster_lines(
     notes = []
     strategy = strategy_of(cfg)
     if strategy != "DDP" and batching.grad_accum > 1:
-        notes.append(
-            f"{plural(batching.grad_accum, 'accumulation step')} under FSDP: every microbatch gathers the "
-            "parameters and reduce-scatters the gradients again (Composer's no_sync is DDP-only); raise "
-            f"device_microbatch_size to {batching.per_rank_batch} if it fits in GPU memory"
-        )
+        notes.append(accumulation_note(cfg, batching))
     params = PRESET_PARAMS.get(cfg.model.preset)
     if params is None:
         return [], notes
@@ -130,7 +141,15 @@ def cluster_lines(
     # DDP all-reduces the fp32 gradients of its fp32 params; FSDP reduces in fsdp_reduce_dtype.
     reduce_dtype = "fp32" if strategy == "DDP" else cfg.fsdp_reduce_dtype
     reduce_bytes = DTYPE_BYTES[reduce_dtype]
-    comm = step_comm(params, topology.world_size, batching.grad_accum, strategy, param_bytes, reduce_bytes)
+    comm = step_comm(
+        params,
+        topology.world_size,
+        batching.grad_accum,
+        strategy,
+        param_bytes,
+        reduce_bytes,
+        cfg.fsdp_no_sync,
+    )
     ckpt = checkpoint_cost(params, topology.world_size, topology.nodes, write_gb_per_s)
     param_dtype = "fp32" if param_bytes == DTYPE_BYTES["fp32"] else "bf16"
     terms = [

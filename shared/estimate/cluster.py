@@ -11,6 +11,10 @@ reduce-scatter, twice that in an all-reduce):
     NO_SHARD       A x [1 all-reduce of the grads] (FSDP without sharding)
     DDP            1 all-reduce of the grads per step (fsdp=false: Composer wraps accumulation in no_sync)
 
+  With `no_sync` under FSDP (the train job's `fsdp_no_sync`, train/loop/step.py): SHARD_GRAD_OP and
+  NO_SHARD communicate once per step (the gathered params stay alive between microbatches); FULL_SHARD
+  still gathers twice per microbatch but reduce-scatters once per step.
+
     all-gather bytes    = (W-1)/W x P x param bytes     (bf16 under amp_bf16: 2)
     reduce-scatter bytes = (W-1)/W x P x reduce bytes   (fsdp_reduce_dtype: fp32 4, bf16 2)
     all-reduce bytes    = 2 (W-1)/W x P x reduce bytes
@@ -73,19 +77,27 @@ class StepComm:
 
 
 def step_comm(
-    params: int, world_size: int, grad_accum: int, strategy: Strategy, param_bytes: int, reduce_bytes: int
+    params: int,
+    world_size: int,
+    grad_accum: int,
+    strategy: Strategy,
+    param_bytes: int,
+    reduce_bytes: int,
+    no_sync: bool = False,
 ) -> StepComm:
-    """The module docstring's communication formulas."""
+    """The module docstring's communication formulas; `no_sync`: FSDP accumulates without syncing."""
     gathers, scatters, reduces = _COLLECTIVES[strategy]
     per_step = 1 if strategy == "DDP" else grad_accum
+    gather_times = 1 if no_sync and strategy == "SHARD_GRAD_OP" else per_step
+    reduce_times = 1 if no_sync else per_step
     ring = (world_size - 1) / world_size
     return StepComm(
-        all_gathers=gathers * per_step,
-        reduce_scatters=scatters * per_step,
-        all_reduces=reduces * per_step,
-        all_gather_bytes=gathers * per_step * ring * params * param_bytes,
-        reduce_scatter_bytes=scatters * per_step * ring * params * reduce_bytes,
-        all_reduce_bytes=reduces * per_step * 2 * ring * params * reduce_bytes,
+        all_gathers=gathers * gather_times,
+        reduce_scatters=scatters * reduce_times,
+        all_reduces=reduces * reduce_times,
+        all_gather_bytes=gathers * gather_times * ring * params * param_bytes,
+        reduce_scatter_bytes=scatters * reduce_times * ring * params * reduce_bytes,
+        all_reduce_bytes=reduces * reduce_times * 2 * ring * params * reduce_bytes,
     )
 
 

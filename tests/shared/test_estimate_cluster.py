@@ -58,3 +58,12 @@ def test_checkpoint_size_save_time_and_share() -> None:
     )
     at_512 = step_seconds(2048, 42.2, 256)  # 189.6 ms
     assert save_share(ckpt.sharded_save_s, 2500, at_512) == pytest.approx(0.000913, rel=1e-2)
+
+
+def test_no_sync_communicates_once_per_step_under_shard_grad_op() -> None:
+    """The train job's FSDP no_sync (counted in tests/train/bench/test_bench_scale_counters.py)."""
+    once = step_comm(P, 8, 1, "SHARD_GRAD_OP", 2, 4)
+    assert step_comm(P, 8, 4, "SHARD_GRAD_OP", 2, 4, no_sync=True) == once
+    full = step_comm(P, 8, 4, "FULL_SHARD", 2, 4, no_sync=True)  # re-gathers, reduces once
+    assert (full.all_gathers, full.reduce_scatters) == (8, 1)
+    assert step_comm(P, 8, 4, "NO_SHARD", 2, 4, no_sync=True).all_reduces == 1

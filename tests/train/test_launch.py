@@ -682,5 +682,13 @@ def test_sd2_dry_run_shows_communication_checkpoint_and_save_share() -> None:
     )  # fmt: skip
     assert code == 0, out
     assert "2 accumulation steps under FSDP" in out and "raise device_microbatch_size to 8" in out
-    assert f"2 reduce-scatters of bf16 grads {2 * ring * p * 2 / 1e9:.3f} GB" in out
+    # fsdp_no_sync (default): SHARD_GRAD_OP reduce-scatters once a step whatever the accumulation
+    assert f"reduce-scatter of bf16 grads {ring * p * 2 / 1e9:.3f} GB" in out and "reduced once a step" in out
     assert f"full (rank 0) {ckpt / 2e9:.1f} s" in out
+    code, out = cli(
+        "launch", "--config", "sd2-base-256", "--gpus", "256", "--launcher", "slurm", "--dry-run",
+        "data.uri=s3://b/d", "device_microbatch_size=4", "fsdp_reduce_dtype=bf16", "fsdp_no_sync=false",
+    )  # fmt: skip
+    assert code == 0, out
+    assert f"2 reduce-scatters of bf16 grads {2 * ring * p * 2 / 1e9:.3f} GB" in out
+    assert "set fsdp_no_sync=true" in out
