@@ -61,8 +61,9 @@ class ScaleBenchConfig:
     s3_batches: int = 12
     s3_checkpoint_interval: int = 4  # batches; steps after a checkpoint are not "per step" costs
     # One spawned job of 2 gloo CPU ranks: EMA update bytes, collectives per optimizer step at the shipped
-    # SD2 batch settings, and checkpoint bytes per rank / seconds per save (full vs sharded) of an MLP of
-    # ckpt_depth layers of ckpt_width x ckpt_width
+    # SD2 batch settings and with 4 microbatches a step (FSDP no_sync or not, both sharding strategies),
+    # and checkpoint bytes per rank / seconds per save (full vs sharded) of an MLP of ckpt_depth layers
+    # of ckpt_width x ckpt_width
     collectives: bool = True
     ckpt_width: int = 256
     ckpt_depth: int = 4
