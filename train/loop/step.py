@@ -18,6 +18,9 @@ collective is one more latency-bound round per step. `LeanTrainer` drops all fou
   this rank's own clock;
 - the microbatch sample count (an all-reduce + `.item()` at the start of `_train_microbatches`): taken
   from this rank's batch shape, the same on every rank for the same reason.
+Under FSDP with several microbatches a step, all but the last run inside FSDP's `no_sync` (Composer applies
+it to DDP only), so the parameters are gathered and the gradients reduced once a step, not once a microbatch
+(`accumulation_sync`; config `fsdp_no_sync`; docs/gpu-tests.md has the counts and the trade-off).
 Evaluation and prediction keep Composer's own loop. `make bench` (scale section) and
 tests/train/test_step_syncs.py count 0 read-backs per step.
 
