@@ -22,6 +22,7 @@ log = logging.getLogger(__name__)
 
 # ----------------------------------------------------------------------------------------- metrics
 _LOSS_METRIC = "loss/train/total"  # logged per step by train/loop/step.py's StepLossLog, with its step
+_EVAL_PREFIX = "eval/"  # held-out loss metrics (train/eval/callback.py), written under their own names
 # Composer metric name -> short name in metrics.jsonl
 _METRIC_NAMES = {
     "loss/train/total": "loss",
@@ -52,6 +53,9 @@ class MetricsJSONL(LoggerDestination):
         self.losses: dict[int, float] = {}  # losses waiting for their step's end
 
     def log_metrics(self, metrics: dict[str, Any], step: int | None = None) -> None:
+        evals = {name: float(value) for name, value in metrics.items() if name.startswith(_EVAL_PREFIX)}
+        if evals and step is not None:
+            self._add_eval(int(step), evals)
         for name, value in metrics.items():
             if name == _LOSS_METRIC and step is not None:
                 self.losses[int(step)] = float(value)
@@ -61,6 +65,16 @@ class MetricsJSONL(LoggerDestination):
                 self.pending[short] = float(value)
         if _LOSS_METRIC in metrics:
             self._write_complete()
+
+    def _add_eval(self, step: int, evals: dict[str, float]) -> None:
+        """The held-out loss (train/eval/) joins its step's line, or follows it when that is written."""
+        if dist.get_global_rank() != 0:
+            return
+        if step in self.records:
+            self.records[step].update(evals)
+            return
+        with self.path.open("a") as handle:
+            handle.write(json.dumps({"step": step, **evals}) + "\n")
 
     def fit_start(self, state: State, logger: Logger) -> None:
         if dist.get_global_rank() != 0:
