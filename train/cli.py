@@ -1,4 +1,5 @@
-"""`python -m train fit|export|launch|bench|estimate|demo|tiny-vae ...`: thin wrappers over the library."""
+"""`python -m train fit|export|eval|eval-images|launch|bench|estimate|demo|tiny-vae ...`: thin wrappers
+over the library."""
 
 from __future__ import annotations
 
@@ -93,6 +94,31 @@ def export(
     except (*_user_errors(), ExportError) as err:
         _fail(err)
     typer.echo(f"exported {result.weights} weights of {result.checkpoint} to {result.out}")
+
+
+@app.command("eval")
+def eval_checkpoint(
+    checkpoint: str = typer.Argument(
+        ..., help="a checkpoint .pt or a save folder (its latest), local or s3://"
+    ),
+    overrides: list[str] = typer.Argument(None, help="eval settings, e.g. uri=s3://b/val num_samples=256"),
+    weights: str = typer.Option("ema", help="ema (default) or training"),
+    out: str = typer.Option("", help="write the metrics as flat JSON here (local or s3://)"),
+) -> None:
+    """The held-out loss of a checkpoint: the numbers training logged as eval/<weights>/loss*."""
+    from train.eval.checkpoint import evaluate_checkpoint, write_metrics
+    from train.export.pipeline import ExportError
+
+    _setup_logging()
+    try:
+        result = evaluate_checkpoint(checkpoint, weights, overrides or [])
+        if out:
+            write_metrics(result, out)
+    except (*_user_errors(), ExportError) as err:
+        _fail(err)
+    typer.echo(f"{result.checkpoint} (step {result.step}, {result.weights} weights):")
+    for name, value in result.metrics.items():
+        typer.echo(f"  {name} {value:.6f}")
 
 
 def _register_light_commands() -> None:

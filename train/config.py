@@ -51,7 +51,7 @@ def check_eval(cfg: EvalConfig, num_train_timesteps: int) -> None:
     if cfg.num_samples < 1:
         raise ConfigError(f"eval.num_samples must be >= 1, got {cfg.num_samples}")
     if cfg.batch_size < 0:
-        raise ConfigError(f"eval.batch_size must be >= 1 (or 0: device_microbatch_size), got {cfg.batch_size}")
+        raise ConfigError(f"eval.batch_size must be >= 1 (0: device_microbatch_size), got {cfg.batch_size}")
     steps = list(cfg.timesteps)
     if not steps or len(set(steps)) != len(steps):
         raise ConfigError(f"eval.timesteps must be a non-empty list of distinct timesteps, got {steps}")

@@ -22,7 +22,7 @@ from composer.utils.misc import create_interval_scheduler
 from train.config import EvalConfig
 from train.data.loader import PinnedData
 from train.ema.algorithm import find_ema
-from train.eval.data import EvalRows, rank_indices, read_rows
+from train.eval.data import EvalRows, rows_for_rank
 from train.eval.heldout import heldout_sums, loss_metrics, num_batches, rank_pairs
 from train.export.samples import use_ema_weights
 from train.model.diffusion import DenoiseInput, Objective
@@ -79,7 +79,7 @@ class HeldOutEval(Callback):
         start = time.perf_counter()
         world, rank = dist.get_world_size(), dist.get_global_rank()
         if self.rows is None:
-            self.rows = read_rows(self.pinned, rank_indices(self.cfg.num_samples, rank, world))
+            self.rows = rows_for_rank(self.pinned, self.cfg.num_samples, rank, world)
         batches = rank_pairs(
             self.rows, self.cfg.timesteps, self.batch_size, num_batches(self.cfg, world, self.batch_size)
         )
@@ -125,7 +125,8 @@ def console_line(batch: int, metrics: dict[str, Any], seconds: float, forwards: 
 
 
 def build_heldout_eval(cfg: Any, objective: Objective) -> HeldOutEval:
-    """The callback for a TrainConfig with eval.uri set (its dataset pinned and checked now, before step 1)."""
+    """The callback for a TrainConfig with eval.uri set (its dataset pinned and checked now, before step
+    1)."""
     from train.eval.data import pin_eval_data
 
     pinned = pin_eval_data(cfg.eval, cfg.model.preset, cfg.data.resolution, cfg.data.cache_dir)

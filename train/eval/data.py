@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,6 +33,9 @@ class EvalRows:
     indices: list[int]
     columns: dict[str, torch.Tensor]  # TRAIN_COLUMNS present in the dataset, [len(indices), ...]
     pinned: PinnedData
+    # A rank with no sample of its own (more ranks than samples) holds sample 0 only to run the same
+    # forwards as the others (an FSDP forward is collective); its pairs weigh nothing.
+    padding: bool = False
 
 
 def pin_eval_data(cfg: EvalConfig, preset: str, resolution: int, cache_dir: str) -> PinnedData:
@@ -55,13 +59,22 @@ def rank_indices(num_samples: int, rank: int, world: int) -> list[int]:
     return list(range(rank, num_samples, world))
 
 
+def rows_for_rank(pinned: PinnedData, num_samples: int, rank: int, world: int) -> EvalRows:
+    indices = rank_indices(num_samples, rank, world)
+    if indices:
+        return read_rows(pinned, indices)
+    rows = read_rows(pinned, [0])
+    rows.padding = True
+    return rows
+
+
 def read_rows(pinned: PinnedData, indices: list[int]) -> EvalRows:
     """The stored columns of `indices` (ascending), reading only the shards that hold them."""
     from streaming.base.format import reader_from_json
 
     from train.data.mds_reader import decode_train_columns_only
 
-    index = json.loads(open(os.path.join(pinned.local, "index.json")).read())
+    index = json.loads(Path(pinned.local, "index.json").read_text())
     wanted, rows = sorted(indices), []
     start = 0
     for info in index["shards"]:

@@ -51,10 +51,10 @@ class Pair:
 
 def rank_pairs(rows: EvalRows, timesteps: list[int], batch: int, num_batches: int) -> list[list[Pair]]:
     """This rank's (row, timestep) pairs in `num_batches` batches of `batch`, padded with weight-0 pairs."""
-    pairs = [Pair(r, t, 1.0) for r in range(len(rows.indices)) for t in timesteps]
+    weight = 0.0 if rows.padding else 1.0
+    pairs = [Pair(r, t, weight) for r in range(len(rows.indices)) for t in timesteps]
     total = batch * num_batches
-    filler = pairs[0] if pairs else None
-    pairs += [Pair(filler.row, filler.timestep, 0.0) for _ in range(total - len(pairs))] if filler else []
+    pairs += [Pair(0, timesteps[0], 0.0) for _ in range(total - len(pairs))]
     return [pairs[i : i + batch] for i in range(0, total, batch)]
 
 
@@ -80,7 +80,8 @@ def build_inputs(
     eps = torch.stack([n[0] for n in noise]).to(device)
     fresh = torch.stack([n[1] for n in noise]).to(device)
     objective.to_device(device)
-    latents = objective.sample_latents(cols[LATENT_MEAN][which].to(device), cols[LATENT_LOGVAR][which].to(device), eps)
+    mean, logvar = cols[LATENT_MEAN][which].to(device), cols[LATENT_LOGVAR][which].to(device)
+    latents = objective.sample_latents(mean, logvar, eps)
     t = torch.tensor([p.timestep for p in pairs], device=device)
     ac = objective.alphas_cumprod[t][:, None, None, None]
     noisy = ac.sqrt() * latents + (1 - ac).sqrt() * fresh
