@@ -123,3 +123,27 @@ def shard_samples(data: bytes, inside: list[int]) -> list[bytes]:
     count = int(np.frombuffer(data[:4], "<u4")[0])
     offsets = np.frombuffer(data[4 : 4 + 4 * (count + 1)], "<u4")
     return [data[int(offsets[i]) : int(offsets[i + 1])] for i in inside]
+
+
+def read_captions(uri: str, count: int) -> list[str]:
+    """The captions of an encoded dataset's first `count` samples in stored order (any resolution: every
+    resolution holds the same samples' captions in its own order; the lowest is read)."""
+    from streaming.base.format import reader_from_json
+
+    from shared.contract import CAPTION
+
+    manifest = read_dataset_manifest(DataConfig(uri=uri))
+    resolution = min(manifest.resolutions)
+    root = os.path.join(default_cache_root(), EVAL_CACHE)
+    pinned = pin_version(DataConfig(uri=uri, resolution=resolution, cache_dir=root), manifest)
+    index = json.loads(Path(pinned.local, "index.json").read_text())
+    captions: list[str] = []
+    for info in index["shards"]:
+        shard = reader_from_json(pinned.local, None, info)
+        wanted = list(range(min(int(info["samples"]), count - len(captions))))
+        captions += [
+            shard.decode_sample(d)[CAPTION] for d in shard_samples(shard_bytes(pinned, info), wanted)
+        ]
+        if len(captions) >= count:
+            break
+    return captions

@@ -81,9 +81,9 @@ def test_train_eval_refuses_bad_settings(tiny_run: TinyRun) -> None:
 def test_config_checks_the_eval_section(tiny_dataset: str, tmp_path) -> None:
     with pytest.raises(ConfigError, match="distinct"):
         tiny_config(tiny_dataset, tmp_path / "s", tmp_path / "c", "eval.timesteps=[100,100]")
-    with pytest.raises(ConfigError, match="eval.num_samples"):
+    with pytest.raises(ConfigError, match=r"eval\.num_samples"):
         tiny_config(tiny_dataset, tmp_path / "s", tmp_path / "c", "eval.num_samples=0")
-    with pytest.raises(ConfigError, match="eval.interval"):
+    with pytest.raises(ConfigError, match=r"eval\.interval"):
         tiny_config(tiny_dataset, tmp_path / "s", tmp_path / "c", "eval.interval=0.5dur")
 
 
