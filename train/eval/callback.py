@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,6 +29,8 @@ from train.export.samples import use_ema_weights
 from train.model.diffusion import DenoiseInput, Objective
 
 log = logging.getLogger(__name__)
+
+METRICS_FILENAME = "metrics.jsonl"  # train/loop/trainer.py writes it into the run's local folder
 
 
 class use_training_weights:
@@ -54,8 +57,11 @@ def has_ema(state: State) -> bool:
 
 
 class HeldOutEval(Callback):
-    def __init__(self, cfg: EvalConfig, pinned: PinnedData, objective: Objective, batch_size: int):
+    def __init__(
+        self, cfg: EvalConfig, pinned: PinnedData, objective: Objective, batch_size: int, local_dir: str = ""
+    ):
         self.cfg = cfg
+        self.local_dir = local_dir  # where metrics.jsonl is and the loss plot goes ("": no plot)
         self.pinned = pinned
         self.objective = objective
         self.batch_size = batch_size
@@ -68,6 +74,16 @@ class HeldOutEval(Callback):
 
     def epoch_checkpoint(self, state: State, logger: Logger) -> None:
         self._maybe_eval(state, logger, Event.EPOCH_CHECKPOINT)
+
+    def fit_end(self, state: State, logger: Logger) -> None:
+        self.plot()  # loggers run first: metrics.jsonl is complete
+
+    def plot(self) -> None:
+        if self.local_dir and dist.get_global_rank() == 0:
+            from train.eval.plot import LOSS_PLOT, plot_losses
+
+            folder = Path(self.local_dir)
+            plot_losses(folder / METRICS_FILENAME, folder / LOSS_PLOT, "training and held-out loss")
 
     def _maybe_eval(self, state: State, logger: Logger, event: Event) -> None:
         batch = int(state.timestamp.batch)
@@ -102,6 +118,7 @@ class HeldOutEval(Callback):
         seconds = time.perf_counter() - start
         logger.log_metrics({**metrics, "eval/seconds": seconds}, step=int(state.timestamp.batch))
         log.info("%s", console_line(int(state.timestamp.batch), metrics, seconds, 2 * len(batches)))
+        self.plot()
         return metrics
 
 
@@ -124,10 +141,10 @@ def console_line(batch: int, metrics: dict[str, Any], seconds: float, forwards: 
     return " ".join(parts)
 
 
-def build_heldout_eval(cfg: Any, objective: Objective) -> HeldOutEval:
+def build_heldout_eval(cfg: Any, objective: Objective, local_dir: str = "") -> HeldOutEval:
     """The callback for a TrainConfig with eval.uri set (its dataset pinned and checked now, before step
     1)."""
     from train.eval.data import pin_eval_data
 
     pinned = pin_eval_data(cfg.eval, cfg.model.preset, cfg.data.resolution, cfg.data.cache_dir)
-    return HeldOutEval(cfg.eval, pinned, objective, cfg.eval_batch_size())
+    return HeldOutEval(cfg.eval, pinned, objective, cfg.eval_batch_size(), local_dir)

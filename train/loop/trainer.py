@@ -144,7 +144,7 @@ def build_callbacks(ctx: RunContext, model: DiffusionModel) -> list[Any]:
     if cfg.eval.uri:  # held-out loss (train/eval/): before the CheckpointSaver, like the samples
         from train.eval.callback import build_heldout_eval
 
-        callbacks.append(build_heldout_eval(cfg, model.objective))
+        callbacks.append(build_heldout_eval(cfg, model.objective, ctx.local_dir))
     if cfg.save_is_remote():
         restore = (METRICS_FILENAME,)
         callbacks.append(ArtifactMirror(ctx.local_dir, cfg.save_folder, cfg.save_interval, restore=restore))
