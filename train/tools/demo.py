@@ -12,7 +12,6 @@ Rerunning is cheap: encode finds its output up to date and training resumes from
 
 from __future__ import annotations
 
-import json
 import shutil
 import time
 from dataclasses import dataclass
