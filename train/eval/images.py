@@ -11,7 +11,6 @@ rank 0 computes the metrics once every rank has written its images.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 from dataclasses import dataclass, field
@@ -22,11 +21,10 @@ import torch
 
 from shared import storage
 from shared.config import ConfigError
+from train.eval.report import guidance_name, score_and_report
 
 log = logging.getLogger(__name__)
 
-METRICS_FILE = "metrics.json"
-PLOT_FILE = "fid_vs_clip.png"
 _SEED_MASK = (1 << 63) - 1
 
 
@@ -60,11 +58,6 @@ class ImageEvalSpec:
 def image_seed(seed: int, index: int) -> int:
     digest = hashlib.blake2b(f"image:{seed}:{index}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & _SEED_MASK
-
-
-def guidance_name(scale: float) -> str:
-    """`1.5` -> "1.5", `4.0` -> "4": the folder and metrics.json key of a scale."""
-    return f"{scale:g}"
 
 
 def load_prompts(source: str, count: int) -> list[str]:
@@ -118,22 +111,6 @@ def generate(pipe: Any, prompts: list[str], indices: list[int], spec: ImageEvalS
             (folder / f"{i}.txt").write_text(prompts[i] + "\n")
 
 
-def read_pngs(folder: Path, count: int) -> list[Any]:
-    from PIL import Image
-
-    images = []
-    for i in range(count):
-        with Image.open(folder / f"{i}.png") as image:
-            images.append(image.convert("RGB"))
-    return images
-
-
-def to_uint8(images: list[Any]) -> torch.Tensor:
-    import numpy as np
-
-    return torch.stack([torch.from_numpy(np.asarray(image).copy()).permute(2, 0, 1) for image in images])
-
-
 def rank_and_world() -> tuple[int, int]:
     """This process's rank under torchrun (joins the process group), else (0, 1)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -154,8 +131,6 @@ def device_for_rank() -> str:
 
 def run_eval_images(spec: ImageEvalSpec) -> dict[str, Any] | None:
     """Generate, then (rank 0) score; returns metrics.json's content on rank 0, None on the others."""
-    from train.eval.report import score_and_report
-
     rank, world = rank_and_world()
     device = device_for_rank()
     prompts = load_prompts(spec.prompts_from, spec.num_images)
@@ -172,8 +147,3 @@ def run_eval_images(spec: ImageEvalSpec) -> dict[str, Any] | None:
     if rank != 0:
         return None
     return score_and_report(spec, prompts, device)
-
-
-def write_json(path: Path, obj: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(obj, indent=1) + "\n")

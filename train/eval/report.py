@@ -3,28 +3,52 @@ and the SD2-style trade-off plot (FID against CLIP score, one point per guidance
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from shared.storage import private_temp_dir
-from train.eval.images import (
-    METRICS_FILE,
-    PLOT_FILE,
-    ImageEvalSpec,
-    guidance_name,
-    read_pngs,
-    to_uint8,
-    write_json,
-)
 from train.eval.quality import ClipScorer, extract, fid, inception, kid, kid_subset_size
 from train.eval.reference import reference_features
 
 log = logging.getLogger(__name__)
 
+METRICS_FILE = "metrics.json"
+PLOT_FILE = "fid_vs_clip.png"
 
-def score_and_report(spec: ImageEvalSpec, prompts: list[str], device: str) -> dict[str, Any]:
+
+def guidance_name(scale: float) -> str:
+    """`1.5` -> "1.5", `4.0` -> "4": the folder and metrics.json key of a scale."""
+    return f"{scale:g}"
+
+
+def read_pngs(folder: Path, count: int) -> list[Any]:
+    from PIL import Image
+
+    images = []
+    for i in range(count):
+        with Image.open(folder / f"{i}.png") as image:
+            images.append(image.convert("RGB"))
+    return images
+
+
+def to_uint8(images: list[Any]) -> torch.Tensor:
+    import numpy as np
+
+    return torch.stack([torch.from_numpy(np.asarray(image).copy()).permute(2, 0, 1) for image in images])
+
+
+def write_json(path: Path, obj: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(obj, indent=1) + "\n")
+
+
+def score_and_report(spec: Any, prompts: list[str], device: str) -> dict[str, Any]:
+    """Score the images an ImageEvalSpec (train/eval/images.py) wrote; write metrics.json and the plot."""
     net = inception(spec.inception_weights, device)
     size = read_pngs(Path(spec.out) / "images" / guidance_name(spec.guidance[0]), 1)[0].height
     cache = spec.cache_dir or str(private_temp_dir("sd-pretrain-fid", "--cache-dir"))
