@@ -141,10 +141,32 @@ def console_line(batch: int, metrics: dict[str, Any], seconds: float, forwards: 
     return " ".join(parts)
 
 
+def log_cost(cfg: Any) -> None:
+    """What the eval costs, said once at start (the plan's step budget includes it)."""
+    from shared.batching import derive_batching
+    from train.config import time_count
+    from train.eval.heldout import forwards_per_eval, overhead
+
+    world, batch = dist.get_world_size(), cfg.eval_batch_size()
+    per_rank = derive_batching(cfg.global_batch_size, world, cfg.device_microbatch_size).per_rank_batch
+    every = time_count(cfg.eval.interval) if cfg.eval.interval.endswith("ba") else 0
+    share = (
+        f", {100 * overhead(cfg.eval, world, batch, per_rank, every):.2f}% of the training compute"
+        if every
+        else ""
+    )
+    log.info(
+        "held-out eval: %d samples x %d timesteps every %s, %d forwards of %d per rank (EMA and training "
+        "weights)%s", cfg.eval.num_samples, len(cfg.eval.timesteps), cfg.eval.interval,
+        forwards_per_eval(cfg.eval, world, batch), batch, share,
+    )  # fmt: skip
+
+
 def build_heldout_eval(cfg: Any, objective: Objective, local_dir: str = "") -> HeldOutEval:
     """The callback for a TrainConfig with eval.uri set (its dataset pinned and checked now, before step
     1)."""
     from train.eval.data import pin_eval_data
 
     pinned = pin_eval_data(cfg.eval, cfg.model.preset, cfg.data.resolution, cfg.data.cache_dir)
+    log_cost(cfg)
     return HeldOutEval(cfg.eval, pinned, objective, cfg.eval_batch_size(), local_dir)

@@ -134,3 +134,12 @@ def test_the_noise_depends_on_seed_sample_and_timestep_only() -> None:
         pair_noise(0, 3, 101, (4, 8, 8)),
     ):
         assert not torch.equal(a[1], other[1])
+
+
+def test_the_cost_is_a_small_share_of_training() -> None:
+    from train.eval.heldout import forwards_per_eval, overhead
+
+    cfg = EvalConfig(uri="x")  # 2048 samples x 5 timesteps every 5000 batches
+    assert forwards_per_eval(cfg, world=8, batch=4) == 2 * (256 * 5) // 4
+    for world, per_rank in ((8, 256), (256, 8)):  # SD2's global batch of 2048 on 8 or 256 GPUs
+        assert overhead(cfg, world, 4, per_rank, 5000) == pytest.approx(2 * 2048 * 5 / (3 * 2048 * 5000))
