@@ -40,6 +40,7 @@ def test_training_logs_the_eval_on_its_steps_line(tiny_run: TinyRun) -> None:
         assert logged[step]["eval/ema/loss"] == pytest.approx(sum(per_t) / 2, rel=1e-12)
     assert logged[6]["eval/ema/loss"] != logged[12]["eval/ema/loss"]
     assert logged[12]["eval/ema/loss"] != logged[12]["eval/training/loss"]
+    assert (tiny_run.save / "loss.png").stat().st_size > 1000  # the run's loss plot, with the eval points
 
 
 @pytest.mark.parametrize(("step", "name"), [(6, "ep0-ba6-rank0.pt"), (12, "ep1-ba12-rank0.pt")])
