@@ -18,9 +18,16 @@ import torch
 
 from shared import storage
 from shared.contract import SHARD_HASH, TRAIN_COLUMNS, Expectation, check_compatible
+from shared.manifest import DatasetManifest, Layout
 from shared.presets import get_preset
 from train.config import DataConfig, EvalConfig
-from train.data.loader import PinnedData, default_cache_root, pin_version, read_dataset_manifest
+from train.data.loader import (
+    PinnedData,
+    cache_dir_for,
+    default_cache_root,
+    place_index,
+    read_dataset_manifest,
+)
 from train.data.streaming_host import DataError
 
 EVAL_CACHE = "eval"  # below the data cache root: the eval dataset's own folder
@@ -45,13 +52,25 @@ def pin_eval_data(cfg: EvalConfig, preset: str, resolution: int, cache_dir: str)
     manifest = read_dataset_manifest(data_cfg)
     p = get_preset(preset)
     check_compatible(manifest, Expectation(resolution, p.latent_shape(resolution), p.text_shape()))
-    pinned = pin_version(data_cfg, manifest)
+    pinned = place_version_index(data_cfg, manifest)
     if pinned.num_samples < cfg.num_samples:
         raise DataError(
             f"eval.num_samples={cfg.num_samples} but the eval dataset {cfg.uri} has {pinned.num_samples} "
             f"samples at {resolution} px; lower eval.num_samples or encode more held-out data"
         )
     return pinned
+
+
+def place_version_index(cfg: DataConfig, manifest: DatasetManifest) -> PinnedData:
+    """train/data/loader.py's `pin_version` without claiming the cache folder: no StreamingDataset reads
+    it, so `train eval` may run beside a training run that evaluates the same dataset."""
+    root, vid = cfg.uri.rstrip("/"), manifest.version
+    local = cache_dir_for(cfg.cache_dir, root, vid, cfg.resolution)
+    remote = Layout(root).stream_root(cfg.resolution)
+    summary = place_index(
+        Layout(root).version_index(vid, cfg.resolution), local, manifest, cfg.resolution, remote
+    )
+    return PinnedData(root, vid, cfg.resolution, manifest, remote, local, summary.hashed)
 
 
 def rank_indices(num_samples: int, rank: int, world: int) -> list[int]:
@@ -135,7 +154,7 @@ def read_captions(uri: str, count: int) -> list[str]:
     manifest = read_dataset_manifest(DataConfig(uri=uri))
     resolution = min(manifest.resolutions)
     root = os.path.join(default_cache_root(), EVAL_CACHE)
-    pinned = pin_version(DataConfig(uri=uri, resolution=resolution, cache_dir=root), manifest)
+    pinned = place_version_index(DataConfig(uri=uri, resolution=resolution, cache_dir=root), manifest)
     index = json.loads(Path(pinned.local, "index.json").read_text())
     captions: list[str] = []
     for info in index["shards"]:
