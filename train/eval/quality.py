@@ -49,6 +49,10 @@ def extract(net: torch.nn.Module, images: torch.Tensor, batch: int = 32) -> torc
     return torch.cat(parts).reshape(len(images), FEATURES)
 
 
+# The metrics run on rank 0 alone, with every feature already here: under torchrun a metric's default
+# sync_on_compute would wait for the other ranks, which have finished.
+
+
 class Features(torch.nn.Module):
     """The feature extractor torchmetrics is given: features were extracted already."""
 
@@ -61,7 +65,7 @@ class Features(torch.nn.Module):
 def fid(real: torch.Tensor, fake: torch.Tensor) -> float:
     from torchmetrics.image.fid import FrechetInceptionDistance
 
-    metric = FrechetInceptionDistance(feature=Features())
+    metric = FrechetInceptionDistance(feature=Features(), sync_on_compute=False)
     metric.update(real, real=True)
     metric.update(fake, real=False)
     return float(metric.compute())
@@ -77,7 +81,10 @@ def kid(real: torch.Tensor, fake: torch.Tensor, seed: int = 0) -> tuple[float, f
     from torchmetrics.image.kid import KernelInceptionDistance
 
     metric = KernelInceptionDistance(
-        feature=Features(), subsets=KID_SUBSETS, subset_size=kid_subset_size(len(real), len(fake))
+        feature=Features(),
+        subsets=KID_SUBSETS,
+        subset_size=kid_subset_size(len(real), len(fake)),
+        sync_on_compute=False,
     )
     metric.update(real, real=True)
     metric.update(fake, real=False)

@@ -96,3 +96,38 @@ def test_eval_images_refuses_bad_input(exported_model: str, tmp_path: Path) -> N
     (tmp_path / "few.txt").write_text("one\n")
     with pytest.raises(ValueError, match="fewer than --num-images"):
         load_prompts(str(tmp_path / "few.txt"), 2)
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_two_ranks_split_the_prompts(
+    exported_model: str, prompts_file: Path, reference_images: str, inception_weights: str, clip_model: str,
+    tmp_path: Path,
+) -> None:  # fmt: skip
+    """Under torchrun each rank writes its share (i % world); with one image per call the images are the
+    single-process ones bit for bit, and rank 0 alone writes metrics.json."""
+    out = tmp_path / "ranks"
+    argv = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1", "--nproc-per-node=2",
+        "-m", "train", "eval-images", exported_model, "--prompts-from", str(prompts_file),
+        "--reference", reference_images, "--num-images", "3", "--guidance", "2", "--steps", str(STEPS),
+        "--inception-weights", inception_weights, "--clip-model", clip_model, "--out", str(out),
+        "--cache-dir", str(tmp_path / "cache"), "--batch-size", "1",
+    ]  # fmt: skip
+    done = subprocess.run(
+        argv, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600, env=_env({"OMP_NUM_THREADS": "1"})
+    )
+    assert done.returncode == 0, "\n".join(line for line in done.stderr.splitlines() if "│" not in line)[
+        -6000:
+    ]
+    assert "rank 0 wrote 2 images" in done.stderr and "rank 1 wrote 1 images" in done.stderr
+    assert list(json.loads((out / "metrics.json").read_text())["guidance"]) == ["2"]
+    spec = ImageEvalSpec(
+        exported_model, str(prompts_file), reference_images, inception_weights, clip_model,
+        str(tmp_path / "one"), 3, [2.0], STEPS, 0, batch_size=1,
+    )  # fmt: skip
+    generate(load_pipeline(exported_model, "cpu"), load_prompts(str(prompts_file), 3), [0, 1, 2], spec, 2.0)
+    for i in range(3):
+        assert (out / "images/2" / f"{i}.png").read_bytes() == (
+            tmp_path / "one/images/2" / f"{i}.png"
+        ).read_bytes()
