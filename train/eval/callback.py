@@ -20,6 +20,7 @@ from composer.loggers import Logger
 from composer.utils import dist
 from composer.utils.misc import create_interval_scheduler
 
+from shared.encoders import EMBEDDINGS
 from train.config import EvalConfig
 from train.data.loader import PinnedData
 from train.ema.algorithm import find_ema
@@ -168,5 +169,13 @@ def build_heldout_eval(cfg: Any, objective: Objective, local_dir: str = "") -> H
     from train.eval.data import pin_eval_data
 
     pinned = pin_eval_data(cfg.eval, cfg.model.preset, cfg.data.resolution, cfg.data.cache_dir)
+    if pinned.manifest.text_store != EMBEDDINGS and objective.online_text is None:
+        from shared.config import ConfigError
+
+        raise ConfigError(
+            f"the eval dataset {cfg.eval.uri} stores token ids (text.store={pinned.manifest.text_store}) but "
+            "the training data stores embeddings, so this run has no text tower to embed them; encode the "
+            "held-out set with text.store=embeddings"
+        )
     log_cost(cfg)
     return HeldOutEval(cfg.eval, pinned, objective, cfg.eval_batch_size(), local_dir)
