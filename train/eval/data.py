@@ -74,8 +74,10 @@ def place_version_index(cfg: DataConfig, manifest: DatasetManifest) -> PinnedDat
 
 
 def rank_indices(num_samples: int, rank: int, world: int) -> list[int]:
-    """Sample i goes to rank i % world: every rank gets within one sample of the same count."""
-    return list(range(rank, num_samples, world))
+    """A contiguous block of ceil(num_samples / world) samples per rank (the last ones may get fewer or
+    none): each rank reads only the shards of its block, not every shard the eval set spans."""
+    per_rank = -(-num_samples // world)
+    return list(range(rank * per_rank, min(num_samples, (rank + 1) * per_rank)))
 
 
 def rows_for_rank(pinned: PinnedData, num_samples: int, rank: int, world: int) -> EvalRows:

@@ -6,9 +6,9 @@ MSE of the model's prediction (epsilon or v, as trained) against its target. Not
 evaluates a pair or in which batch, so the number is the same on any rank count, after a resume, and in
 `python -m train eval` (train/eval/checkpoint.py) for the checkpoint written at that step.
 
-Ranks split the samples (i % world); every rank runs the same number of forwards (a short rank repeats a
-pair with weight 0), because an FSDP forward is collective. Per-timestep sums and counts are all-reduced
-once, in float64.
+Ranks split the samples in contiguous blocks (train/eval/data.py `rank_indices`); every rank runs the same
+number of forwards (a short rank repeats a pair with weight 0), because an FSDP forward is collective.
+Per-timestep sums and counts are all-reduced once, in float64.
 """
 
 from __future__ import annotations

@@ -28,7 +28,8 @@ def test_rows_are_the_stored_samples_in_order(tiny_dataset: str, tmp_path: Path)
         assert torch.equal(
             rows.columns[TEXT_EMBEDDING][position], torch.from_numpy(row[TEXT_EMBEDDING].copy())
         )
-    assert rank_indices(5, 1, 2) == [1, 3] and rank_indices(5, 0, 2) == [0, 2, 4]
+    assert rank_indices(5, 0, 2) == [0, 1, 2] and rank_indices(5, 1, 2) == [3, 4]
+    assert rank_indices(5, 3, 4) == [] and rank_indices(2048, 255, 256) == list(range(2040, 2048))
     idle = rows_for_rank(pinned, 2, 3, 4)  # more ranks than samples: sample 0, weighing nothing
     assert idle.padding and idle.indices == [0]
 
