@@ -129,8 +129,27 @@ def device_for_rank() -> str:
     return f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
 
 
+def check_inputs(spec: ImageEvalSpec) -> None:
+    """The files scoring needs exist and have the right layout (the reference holds >= 2 images)."""
+    from train.eval.quality import CLIP_CONFIG, INCEPTION_FILE
+
+    if not Path(spec.inception_weights).is_file():
+        raise ConfigError(
+            f"--inception-weights {spec.inception_weights} is not a file: pass the standard FID Inception "
+            f"weights ({INCEPTION_FILE}, the file torch-fidelity downloads)"
+        )
+    if not (Path(spec.clip_model) / CLIP_CONFIG).is_file():
+        raise ConfigError(
+            f"--clip-model {spec.clip_model} is not an open_clip model folder ({CLIP_CONFIG} + "
+            "open_clip_model.safetensors, as open_clip's `local-dir:` loads it)"
+        )
+    if not Path(spec.reference).exists():
+        raise ConfigError(f"--reference {spec.reference} does not exist")
+
+
 def run_eval_images(spec: ImageEvalSpec) -> dict[str, Any] | None:
     """Generate, then (rank 0) score; returns metrics.json's content on rank 0, None on the others."""
+    check_inputs(spec)  # before hours of generation, not after
     rank, world = rank_and_world()
     device = device_for_rank()
     prompts = load_prompts(spec.prompts_from, spec.num_images)

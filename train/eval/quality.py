@@ -22,6 +22,7 @@ import torch
 from shared.config import ConfigError
 
 FEATURES = 2048  # Inception pool3, the standard FID feature
+CLIP_CONFIG = "open_clip_config.json"  # open_clip's `local-dir:` model folder: this + the weights
 INCEPTION_FILE = "pt_inception-2015-12-05-6726825d.pth"  # torch-fidelity's FID Inception weights
 KID_SUBSETS = 100  # torchmetrics' default
 KID_MAX_SUBSET = 1000  # torchmetrics' default subset size, lowered to the sample count when smaller
@@ -100,7 +101,7 @@ class ClipScorer:
     def __init__(self, path: str, device: str = "cpu"):
         import open_clip
 
-        if not (Path(path) / "open_clip_config.json").is_file():
+        if not (Path(path) / CLIP_CONFIG).is_file():
             raise ConfigError(
                 f"--clip-model {path} is not an open_clip model folder (open_clip_config.json + "
                 "open_clip_model.safetensors, as open_clip's `local-dir:` loads it)"

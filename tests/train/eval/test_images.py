@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.train.conftest import REPO_ROOT
-from train.eval.images import ImageEvalSpec, generate, load_pipeline, load_prompts
+from train.eval.images import ImageEvalSpec, generate, load_pipeline, load_prompts, run_eval_images
 
 NUM_IMAGES = 4
 STEPS = 3
@@ -86,13 +86,16 @@ def _env(extra: dict[str, str]) -> dict[str, str]:
     return {**os.environ, **extra}
 
 
-def test_eval_images_refuses_bad_input(exported_model: str, tmp_path: Path) -> None:
+def test_eval_images_refuses_bad_input(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="num-images"):
         ImageEvalSpec("m", "p", "r", "i", "c", "o", num_images=1)
     with pytest.raises(ValueError, match="guidance"):
         ImageEvalSpec("m", "p", "r", "i", "c", "o", guidance=[0.5])
     with pytest.raises(ValueError, match="export"):
         load_pipeline(str(tmp_path), "cpu")
+    bad = ImageEvalSpec("m", "p", str(tmp_path), str(tmp_path / "none.pth"), str(tmp_path), "o")
+    with pytest.raises(ValueError, match="inception-weights"):  # refused before any image is generated
+        run_eval_images(bad)
     (tmp_path / "few.txt").write_text("one\n")
     with pytest.raises(ValueError, match="fewer than --num-images"):
         load_prompts(str(tmp_path / "few.txt"), 2)
