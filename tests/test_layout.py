@@ -32,6 +32,7 @@ LAYERS: dict[str, list[tuple[str, ...]]] = {
         ("ema",),  # EMA stores, sharded EMA, handoff
         ("checkpoints",),  # read/consolidate checkpoints, run record, retention
         ("export",),  # diffusers export, sample grids
+        ("eval",),  # held-out loss, `train eval`, `train eval-images`
         ("loop",),  # trainer stages, lean step, clipping, guards, metrics
         ("bench", "tools"),  # make bench; demo and tiny-vae
         ("launch",),  # the job's launch description

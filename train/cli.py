@@ -1,4 +1,5 @@
-"""`python -m train fit|export|launch|bench|estimate|demo|tiny-vae ...`: thin wrappers over the library."""
+"""`python -m train fit|export|eval|eval-images|launch|bench|estimate|demo|tiny-vae ...`: thin wrappers
+over the library."""
 
 from __future__ import annotations
 
@@ -101,6 +102,74 @@ def export(
     except (*_user_errors(), ExportError) as err:
         _fail(err)
     typer.echo(f"exported {result.weights} weights of {result.checkpoint} to {result.out}")
+
+
+@app.command("eval")
+def eval_checkpoint(
+    checkpoint: str = typer.Argument(
+        ..., help="a checkpoint .pt or a save folder (its latest), local or s3://"
+    ),
+    overrides: list[str] = typer.Argument(None, help="eval settings, e.g. uri=s3://b/val num_samples=256"),
+    weights: str = typer.Option("ema", help="ema (default) or training"),
+    out: str = typer.Option("", help="write the metrics as flat JSON here (local or s3://)"),
+) -> None:
+    """The held-out loss of a checkpoint: the numbers training logged as eval/<weights>/loss*."""
+    from train.eval.checkpoint import evaluate_checkpoint, write_metrics
+    from train.export.pipeline import ExportError
+
+    _setup_logging()
+    try:
+        result = evaluate_checkpoint(checkpoint, weights, overrides or [])
+        if out:
+            write_metrics(result, out)
+    except (*_user_errors(), ExportError) as err:
+        _fail(err)
+    typer.echo(f"{result.checkpoint} (step {result.step}, {result.weights} weights):")
+    for name, value in result.metrics.items():
+        typer.echo(f"  {name} {value:.6f}")
+
+
+@app.command("eval-images")
+def eval_images(
+    model: str = typer.Argument(
+        ..., help="an exported pipeline folder (python -m train export), local or s3://"
+    ),
+    prompts_from: str = typer.Option(
+        ..., help="an encoded dataset (its captions) or a text file, a prompt a line"
+    ),
+    reference: str = typer.Option(
+        ..., help="reference images: a folder, webdataset .tar or img2dataset .parquet"
+    ),
+    inception_weights: str = typer.Option(..., help="the standard FID Inception weights file (.pth)"),
+    clip_model: str = typer.Option(..., help="an open_clip model folder (open_clip_config.json + weights)"),
+    out: str = typer.Option(..., help="folder for metrics.json, fid_vs_clip.png and images/"),
+    num_images: int = typer.Option(10000, help="images per guidance scale (image i from prompt i)"),
+    guidance: str = typer.Option("1.5,4,8", help="comma-separated guidance scales"),
+    steps: int = typer.Option(50, help="sampler steps (the pipeline's scheduler)"),
+    seed: int = typer.Option(0, help="image i starts from noise seeded by (seed, i): same seed, same images"),
+    batch_size: int = typer.Option(8, help="images per pipeline call on each rank"),
+    num_reference: int = typer.Option(0, help="reference images to use, in order (0: all)"),
+    cache_dir: str = typer.Option("", help="reference feature cache (default: a private temp folder)"),
+) -> None:
+    """FID, KID and CLIP score over guidance scales (run under torchrun to split the prompts over GPUs)."""
+    from train.eval.images import ImageEvalSpec, run_eval_images
+
+    _setup_logging()
+    try:
+        scales = [float(g) for g in guidance.split(",") if g.strip()]
+        spec = ImageEvalSpec(
+            model, prompts_from, reference, inception_weights, clip_model, out, num_images, scales, steps,
+            seed, batch_size, num_reference, cache_dir,
+        )  # fmt: skip
+        report = run_eval_images(spec)
+    except ValueError as err:  # ConfigError and a malformed --guidance
+        _fail(err)
+    except _user_errors() as err:
+        _fail(err)
+    if report is not None:
+        for scale, values in report["guidance"].items():
+            typer.echo(f"guidance {scale}: " + ", ".join(f"{k} {v:.4f}" for k, v in values.items()))
+        typer.echo(f"wrote {out}/metrics.json, {out}/fid_vs_clip.png and {out}/images/")
 
 
 def _register_light_commands() -> None:

@@ -45,6 +45,24 @@ def check_time_string(value: str, key: str, units: tuple[str, ...] | None = None
     return text
 
 
+def check_eval(cfg: EvalConfig, num_train_timesteps: int) -> None:
+    """The eval section's rules (also checked for `train eval` overrides)."""
+    cfg.interval = check_time_string(cfg.interval, "eval.interval", _INTERVAL_UNITS)
+    if cfg.num_samples < 1:
+        raise ConfigError(f"eval.num_samples must be >= 1, got {cfg.num_samples}")
+    if cfg.batch_size < 0:
+        raise ConfigError(f"eval.batch_size must be >= 1 (0: device_microbatch_size), got {cfg.batch_size}")
+    steps = list(cfg.timesteps)
+    if not steps or len(set(steps)) != len(steps):
+        raise ConfigError(f"eval.timesteps must be a non-empty list of distinct timesteps, got {steps}")
+    bad = [t for t in steps if not 0 <= t < num_train_timesteps]
+    if bad:
+        raise ConfigError(
+            f"eval.timesteps {bad} are outside [0, {num_train_timesteps}) (model.num_train_timesteps); "
+            "use e.g. [100, 300, 500, 700, 900]"
+        )
+
+
 def time_count(value: str) -> int:
     """The integer count of a time string such as `100ba` (not for `dur`)."""
     return int(re.match(r"^\d+", value).group(0))  # type: ignore[union-attr]
@@ -151,6 +169,22 @@ class SamplesConfig:
 
 
 @dataclass
+class EvalConfig:
+    # Held-out loss during training (train/eval/): an encoded dataset (a `make encode` output.uri, same
+    # contract and resolution as data.uri) kept out of training; "": no eval.
+    uri: str = ""
+    version: str | None = None  # dataset version id to pin; None: the current one at start
+    interval: str = "5000ba"  # evaluate every N batches (and at the end of training)
+    # The first num_samples samples of the eval dataset, in stored order, each at every timestep below.
+    num_samples: int = 2048
+    timesteps: list[int] = field(default_factory=lambda: [100, 300, 500, 700, 900])
+    # Noise per (seed, sample index, timestep): the same number for the same weights on any rank count.
+    seed: int = 0
+    # (sample, timestep) pairs per forward on each rank; 0: device_microbatch_size.
+    batch_size: int = 0
+
+
+@dataclass
 class LogConfig:
     console_interval: str = "10ba"
     # Batches averaged for images/s; Composer's SpeedMonitor logs nothing until this window has filled.
@@ -175,6 +209,7 @@ class TrainConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     ema: EMAConfig = field(default_factory=EMAConfig)
     samples: SamplesConfig = field(default_factory=SamplesConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     log: LogConfig = field(default_factory=LogConfig)
     global_batch_size: int = 2048
     device_microbatch_size: int = 4
@@ -222,6 +257,7 @@ class TrainConfig:
         self._check_model()
         self._check_times()
         self._check_batching()
+        check_eval(self.eval, self.model.num_train_timesteps)
         if not self.save_folder:
             raise ConfigError("save_folder is empty: set it in the train YAML or pass save_folder=...")
         if self.load_weights_only and not self.load_path:
@@ -273,6 +309,10 @@ class TrainConfig:
         )
         if time_count(self.ema.update_interval) < 1:
             raise ConfigError("ema.update_interval must be at least 1ba")
+
+    def eval_batch_size(self) -> int:
+        """(sample, timestep) pairs per eval forward on each rank."""
+        return self.eval.batch_size or self.device_microbatch_size
 
     def _check_batching(self) -> None:
         if self.global_batch_size < 1 or self.device_microbatch_size < 1:

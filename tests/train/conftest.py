@@ -206,6 +206,9 @@ def run_train_cli(args: list[str], **kwargs: Any) -> subprocess.Popen:
     return subprocess.Popen([PYTHON, "-m", "train", *args], cwd=REPO_ROOT, env=env, **kwargs)
 
 
+TINY_RUN_EVAL = ("eval.num_samples=8", "eval.timesteps=[100,900]", "eval.seed=3")
+
+
 class TinyRun:
     """A finished tiny training run: its config, save folder and (closed) Composer trainer."""
 
@@ -222,15 +225,16 @@ class TinyRun:
 
 @pytest.fixture(scope="session")
 def tiny_run(tiny_dataset: str, tmp_path_factory: pytest.TempPathFactory) -> TinyRun:
-    """12 batches of the tiny job (checkpoints and sample grids at 6 and 12); EMA smoothing 0.9 so the
-    average visibly differs from the training weights."""
+    """12 batches of the tiny job (checkpoints, sample grids and a held-out loss at 6 and 12); EMA smoothing
+    0.9 so the average visibly differs from the training weights. The eval (8 samples x 2 timesteps of the
+    training data, 8 forwards each time) is what tests/train/eval reproduces from the checkpoints."""
     from train.loop.trainer import fit
 
     base = tmp_path_factory.mktemp("tiny-run")
     cfg = tiny_config(
         tiny_dataset, base / "save", base / "cache",
         "max_duration=12ba", "save_interval=6ba", "samples.interval=6ba", "ema.smoothing=0.9",
-        "log.tensorboard=true",
+        "log.tensorboard=true", f"eval.uri={tiny_dataset}", "eval.interval=6ba", *TINY_RUN_EVAL,
     )  # fmt: skip
     with single_threaded_torch():
         return TinyRun(cfg, fit(cfg))

@@ -22,6 +22,8 @@ log = logging.getLogger(__name__)
 
 # ----------------------------------------------------------------------------------------- metrics
 _LOSS_METRIC = "loss/train/total"  # logged per step by train/loop/step.py's StepLossLog, with its step
+_EVAL_PREFIX = "eval/"  # held-out loss metrics (train/eval/callback.py), written under their own names
+_TAIL_BYTES = 1 << 16  # a metrics line is ~300 bytes (with an eval at 20 timesteps ~1.5 KB)
 # Composer metric name -> short name in metrics.jsonl
 _METRIC_NAMES = {
     "loss/train/total": "loss",
@@ -52,6 +54,9 @@ class MetricsJSONL(LoggerDestination):
         self.losses: dict[int, float] = {}  # losses waiting for their step's end
 
     def log_metrics(self, metrics: dict[str, Any], step: int | None = None) -> None:
+        evals = {name: float(value) for name, value in metrics.items() if name.startswith(_EVAL_PREFIX)}
+        if evals and step is not None:
+            self._add_eval(int(step), evals)
         for name, value in metrics.items():
             if name == _LOSS_METRIC and step is not None:
                 self.losses[int(step)] = float(value)
@@ -61,6 +66,29 @@ class MetricsJSONL(LoggerDestination):
                 self.pending[short] = float(value)
         if _LOSS_METRIC in metrics:
             self._write_complete()
+
+    def _add_eval(self, step: int, evals: dict[str, float]) -> None:
+        """The held-out loss (train/eval/) joins its step's line: the pending record, or the last line of the
+        file when the step's loss was flushed at BATCH_END (one line per step either way)."""
+        if dist.get_global_rank() != 0:
+            return
+        if step in self.records:
+            self.records[step].update(evals)
+            return
+        with self.path.open("a+b") as handle:
+            handle.seek(0, os.SEEK_END)
+            end = handle.tell()
+            start = max(0, end - _TAIL_BYTES)
+            handle.seek(start)
+            tail = handle.read()
+            cut = tail.rfind(b"\n", 0, len(tail) - 1) + 1  # where the last line starts
+            last = json.loads(tail[cut:]) if tail[cut:].strip() and (cut or not start) else {}
+            if last.get("step") == step:  # the step's line is written: add the eval to it, in place
+                handle.truncate(start + cut)
+                evals = {**last, **evals}
+            else:
+                evals = {"step": step, **evals}
+            handle.write((json.dumps(evals) + "\n").encode())
 
     def fit_start(self, state: State, logger: Logger) -> None:
         if dist.get_global_rank() != 0:

@@ -69,6 +69,7 @@ def run_record(ctx: RunContext, model: DiffusionModel) -> dict[str, Any]:
         "encoders": dict(manifest.fingerprints.get("encoders", {})),
         "encoder_config": dict(manifest.config.get("encoder", {})),  # as encode resolved it (kept as is)
         "encoder": manifest.identity.record(),  # what export and samples read (shared/encoders.py)
+        "eval": config_to_dict(ctx.cfg.eval),  # `train eval` evaluates a checkpoint as the run did
     }
 
 
@@ -144,6 +145,10 @@ def build_callbacks(ctx: RunContext, model: DiffusionModel) -> list[Any]:
         )
         renderer.preload()  # text tower, tokenizer and VAE now, not at the first render (samples.py)
         callbacks.append(renderer)
+    if cfg.eval.uri:  # held-out loss (train/eval/): before the CheckpointSaver, like the samples
+        from train.eval.callback import build_heldout_eval
+
+        callbacks.append(build_heldout_eval(cfg, model.objective, ctx.local_dir))
     if cfg.save_is_remote():
         restore = (METRICS_FILENAME,)
         callbacks.append(ArtifactMirror(ctx.local_dir, cfg.save_folder, cfg.save_interval, restore=restore))

@@ -12,7 +12,6 @@ Rerunning is cheap: encode finds its output up to date and training resumes from
 
 from __future__ import annotations
 
-import json
 import shutil
 import time
 from dataclasses import dataclass
@@ -29,7 +28,6 @@ DEMO_PROMPTS = (
 IMAGES_PER_PROMPT = 3
 SAMPLE_STEPS = 25
 GUIDANCE = 4.0
-LOSS_SMOOTHING = 20  # steps in the moving average drawn over the raw loss
 
 
 @dataclass
@@ -121,25 +119,10 @@ def export_and_generate(paths: DemoPaths) -> None:
 
 
 def plot_loss(paths: DemoPaths) -> None:
-    import matplotlib
+    """The run's loss plot (train/eval/plot.py: training loss, and the held-out loss when the run has one)."""
+    from train.eval.plot import plot_losses
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
-
-    rows = [json.loads(line) for line in (paths.train / "metrics.jsonl").read_text().splitlines() if line]
-    steps = np.array([r["step"] for r in rows if "loss" in r])
-    loss = np.array([r["loss"] for r in rows if "loss" in r])
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(steps, loss, alpha=0.3, label="loss")
-    if len(loss) >= LOSS_SMOOTHING:
-        smooth = np.convolve(loss, np.ones(LOSS_SMOOTHING) / LOSS_SMOOTHING, mode="valid")
-        ax.plot(steps[LOSS_SMOOTHING - 1 :], smooth, label=f"{LOSS_SMOOTHING}-step mean")
-    ax.set(xlabel="optimizer step", ylabel="denoising MSE", title="tiny U-Net on the sample data")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(paths.loss, dpi=100)
-    plt.close(fig)
+    plot_losses(paths.train / "metrics.jsonl", paths.loss, "tiny U-Net on the sample data")
 
 
 def run_demo(out: Path, max_duration: str | None = None, fresh: bool = False) -> DemoPaths:
