@@ -32,6 +32,7 @@ LAYERS: dict[str, list[tuple[str, ...]]] = {
         ("ema",),  # EMA stores, sharded EMA, handoff
         ("checkpoints",),  # read/consolidate checkpoints, run record, retention
         ("export",),  # diffusers export, sample grids
+        ("resilience",),  # save/stop at a step boundary, heartbeats, exit records, plan numbers
         ("loop",),  # trainer stages, lean step, clipping, guards, metrics
         ("bench", "tools"),  # make bench; demo and tiny-vae
         ("launch",),  # the job's launch description

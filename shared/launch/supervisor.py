@@ -18,6 +18,7 @@ The files it shares with the ranks are described in shared/launch/control.py.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -113,10 +114,8 @@ def stack_of(pid: int) -> str:
 
 def kill_all(pids: Sequence[int]) -> None:
     for pid in pids:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)  # SIGKILL also ends a SIGSTOPped process
-        except ProcessLookupError:
-            pass
 
 
 class Supervisor:
@@ -196,8 +195,8 @@ class Supervisor:
         if outcome.kind == "done":
             return control.EXIT_DONE
         if outcome.kind == "resumable" or self.stop_reason is not None:
-            self.log(f"stopped at step {outcome.batch} ({outcome.detail or self.stop_reason}); rerun the same "
-                     f"command to resume from {self.resume_point()}")  # fmt: skip
+            why = outcome.detail or self.stop_reason
+            self.log(f"stopped at step {outcome.batch} ({why}); rerun the same command to resume")
             return control.EXIT_RESUMABLE
         if outcome.kind == "fatal":
             self.log(f"a restart cannot fix this, stopping: {outcome.detail}")

@@ -1,4 +1,4 @@
-"""How `python -m train fit` ends, told to its supervisor through the control folder (shared/launch/control.py).
+"""How `python -m train fit` ends, told to its supervisor via the control folder (shared/launch/control.py).
 
 Light (no torch): train/cli.py imports it to record errors no restart can fix.
 """

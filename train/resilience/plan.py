@@ -22,8 +22,6 @@ RESTART_OVERHEAD_S = 120.0
 # The lead a deadline needs beyond the save itself: the step in flight, the stop agreement and the exit.
 LEAD_MARGIN_S = 60.0
 DEFAULT_LEAD_S = 120.0  # when the save time cannot be estimated (a preset without published sizes)
-# Kubernetes and Slurm both allow ~30 s between SIGTERM and SIGKILL by default.
-DEFAULT_GRACE_S = 30
 
 
 @dataclass(frozen=True)
@@ -41,11 +39,6 @@ def exit_lead_s(cfg: TrainConfig, save_s: float | None) -> float:
     if cfg.resilience.exit_lead_s is not None:
         return cfg.resilience.exit_lead_s
     return DEFAULT_LEAD_S if save_s is None else math.ceil(2 * save_s + LEAD_MARGIN_S)
-
-
-def grace_period_s(lead_s: float) -> int:
-    """Kubernetes terminationGracePeriodSeconds: room for the save a SIGTERM starts, never below the default."""
-    return max(DEFAULT_GRACE_S, int(math.ceil(lead_s)))
 
 
 def total_steps(cfg: TrainConfig) -> int | None:
