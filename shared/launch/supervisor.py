@@ -34,6 +34,7 @@ from shared.launch import control
 
 STACK_TIMEOUT_S = 30  # py-spy reads a process's memory; a few seconds even for a large one
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+CONTROL_PREFIX = "sd-control-"
 
 
 @dataclass(frozen=True)
@@ -133,7 +134,8 @@ class Supervisor:
         self.supervision = supervision
         self.env = dict(os.environ if env is None else env)
         self.log = log or (lambda text: print(f"supervisor: {text}", file=sys.stderr, flush=True))
-        self.folder = Path(tempfile.mkdtemp(prefix="sd-control-"))
+        # Node-local ($TMPDIR): heartbeats are rewritten every step and must not load a shared filesystem.
+        self.folder = Path(tempfile.mkdtemp(prefix=CONTROL_PREFIX))
         self.deadline = deadline
         if supervision.max_wall_time_s is not None:
             own = time.time() + supervision.max_wall_time_s - supervision.deadline_lead_s

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
 import signal
 import time
 from typing import Any
@@ -34,6 +35,17 @@ from train.resilience.exits import ResumableStop, record_exit
 log = logging.getLogger(__name__)
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+# A failure drill: "RANK:BATCH" SIGKILLs that global rank right after it completes that batch, every time the
+# run passes it (rehearse the restart and crash-loop paths on a real cluster; the tests use it too).
+FAULT_DRILL_ENV = "SD_FAULT_DRILL"
+
+
+def fault_drill() -> tuple[int, int] | None:
+    value = os.environ.get(FAULT_DRILL_ENV)
+    if not value:
+        return None
+    rank, batch = value.split(":")
+    return int(rank), int(batch)
 
 
 class ResilienceMonitor(Callback):
@@ -50,6 +62,7 @@ class ResilienceMonitor(Callback):
         self.stop_reason: str | None = None
         self.last_save = time.monotonic()
         self.tightened = False
+        self.drill = fault_drill()
 
     # ------------------------------------------------------------------------------------------ signals
     def fit_start(self, state: State, logger: Logger) -> None:
@@ -67,6 +80,9 @@ class ResilienceMonitor(Callback):
         batch = int(state.timestamp.batch)
         if self.folder is not None:
             control.write_heartbeat(self.folder, dist.get_global_rank(), batch)
+        if self.drill == (dist.get_global_rank(), batch):
+            log.warning("%s: killing rank %d after batch %d", FAULT_DRILL_ENV, *self.drill)
+            os.kill(os.getpid(), signal.SIGKILL)
         stop_file = self.folder is not None and control.stop_requested(self.folder)
         rank0 = dist.get_global_rank() == 0
         now = time.time()

@@ -12,6 +12,7 @@ import math
 import re
 from dataclasses import dataclass
 
+from shared.launch.plan import plural
 from train.config import TrainConfig, time_count
 
 INTERRUPTIONS_PER_GPU_DAY = 419 / (16_384 * 54)
@@ -76,7 +77,7 @@ def resilience_lines(cfg: TrainConfig, shape: RunShape, lead_s: float) -> list[s
         share = f", saving {shape.save_s / (every + shape.save_s):.2%} of wall time" if shape.save_s else ""
         lines.append(
             f"lost per interruption: {lost_h:.1f} GPU-hours on average (half of a {every / 60:.1f}-minute "
-            f"save interval + {RESTART_OVERHEAD_S:.0f} s restart, x {shape.gpus} GPUs){share}"
+            f"save interval + {RESTART_OVERHEAD_S:.0f} s restart, x {plural(shape.gpus, 'GPU')}){share}"
         )
     wall = f", save and exit after {res.max_wall_time}" if res.max_wall_time else ""
     minutes = f" or {cfg.save_interval_minutes:g} min" if cfg.save_interval_minutes else ""
