@@ -53,7 +53,8 @@ def test_a_crash_at_a_new_step_each_time_restarts_until_the_budget(tmp_path: Pat
 
 
 def test_the_same_failure_at_the_same_step_stops_without_spending_the_budget(tmp_path: Path) -> None:
-    body = 'echo "6 $$" > "$SD_CONTROL_DIR/heartbeat-rank0"; progress=\'{"saved_batch": 4, "checkpoint": "ep0-ba4"}\'\n'
+    body = 'echo "6 $$" > "$SD_CONTROL_DIR/heartbeat-rank0"\n'
+    body += 'progress=\'{"saved_batch": 4, "checkpoint": "ep0-ba4"}\'\n'
     body += 'echo "$progress" > "$SD_CONTROL_DIR/progress.json"; exit 1\n'
     code, lines = run(tmp_path, body, max_restarts=5)
     assert code == control.EXIT_GAVE_UP
@@ -71,7 +72,9 @@ def test_a_fatal_error_stops_at_once_with_its_message(tmp_path: Path) -> None:
 
 def test_a_stale_heartbeat_is_a_hang_the_processes_are_killed_and_restarted(tmp_path: Path) -> None:
     # Attempt 1 writes one heartbeat then stops itself (SIGSTOP: it cannot answer any signal); attempt 2 ends.
-    body = """if [ $n -eq 1 ]; then echo "3 $$" > "$SD_CONTROL_DIR/heartbeat-rank0"; kill -STOP $$; fi\nexit 0\n"""
+    body = """if [ $n -eq 1 ]; then echo "3 $$" > "$SD_CONTROL_DIR/heartbeat-rank0"; kill -STOP $$; fi
+    exit 0
+    """
     code, lines = run(tmp_path, body, max_restarts=1, hang_timeout_s=1)
     assert code == control.EXIT_DONE and attempts(tmp_path) == 2
     text = "\n".join(lines)
@@ -96,13 +99,10 @@ def test_sigterm_asks_the_ranks_to_stop_and_exits_resumable(tmp_path: Path) -> N
 
 
 def test_descendants_finds_grandchildren_in_new_sessions() -> None:
-    child = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            "import subprocess,sys,time; subprocess.Popen(['sleep','30'], start_new_session=True); time.sleep(30)",
-        ]
+    code = (
+        "import subprocess, time; subprocess.Popen(['sleep', '30'], start_new_session=True); time.sleep(30)"
     )
+    child = subprocess.Popen([sys.executable, "-c", code])
     try:
         deadline = time.time() + 20
         while len(descendants(child.pid)) < 1 and time.time() < deadline:
