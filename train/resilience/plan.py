@@ -67,7 +67,7 @@ def resilience_lines(cfg: TrainConfig, shape: RunShape, lead_s: float) -> list[s
         days = shape.step_s * shape.total_steps / 86_400
         expected = INTERRUPTIONS_PER_GPU_DAY * shape.gpus * days
         lines.append(
-            f"interruptions: expect {expected:.1f} unexpected over {days:.1f} days on {shape.gpus} GPUs "
+            f"interruptions: expect {expected:.2f} unexpected over {days:.1f} days on {shape.gpus} GPUs "
             f"(Llama 3's {INTERRUPTIONS_PER_GPU_DAY:.1e} per GPU-day), plus a hang, a time limit or a "
             "preemption per scheduler slot"
         )
