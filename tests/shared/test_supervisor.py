@@ -123,3 +123,11 @@ def test_slurm_end_time_is_read_from_scontrol(text: str, expected: str | None) -
 
     want = None if expected is None else datetime.fromisoformat(expected).timestamp()
     assert parse_end_time(text) == want
+
+
+def test_max_wall_time_becomes_the_ranks_deadline_less_the_lead(tmp_path: Path) -> None:
+    body = 'echo "$SD_DEADLINE" > "$T/deadline"\n'
+    before = time.time()
+    code, _ = run(tmp_path, body, max_wall_time_s=100, deadline_lead_s=10)
+    assert code == control.EXIT_DONE
+    assert before + 90 <= float((tmp_path / "deadline").read_text()) <= time.time() + 90
