@@ -2,7 +2,8 @@
 
 What runs when, inside Composer's batch (callbacks run in list order; Composer appends its CheckpointSaver
 after the job's callbacks, and `StopAfterSave` is appended after that, train/loop/trainer.py):
-1. BATCH_END, `ResilienceMonitor`: writes this rank's heartbeat, then one all-reduce (MAX) of three flags:
+1. BATCH_END, `ResilienceMonitor`: writes this rank's heartbeat, then one all-reduce (MAX, over gloo in host
+   memory, so no host-device sync) of three flags:
    a stop was asked for (a SIGTERM / SIGUSR1 reached this rank, or the supervisor's `stop` file exists), the
    deadline has passed ($SD_DEADLINE, rank 0's clock), a wall-clock save is due (rank 0's clock). Per-rank
    signal handlers only set a flag; the decision is the all-reduced one, so every rank saves the same step.
@@ -23,6 +24,7 @@ import signal
 import time
 from typing import Any
 
+import numpy as np
 import torch
 from composer.core import Callback, Event, State
 from composer.loggers import Logger
@@ -63,6 +65,11 @@ class ResilienceMonitor(Callback):
         self.last_save = time.monotonic()
         self.tightened = False
         self.drill = fault_drill()
+        # The flags live in host memory (numpy, viewed as a tensor for the all-reduce): reading them is no
+        # host-device sync, so the step stays free of them (tests/train/loop/test_step_syncs.py).
+        self.flags = np.zeros(3, dtype=np.int32)
+        self.flag_view = torch.from_numpy(self.flags)
+        self.group: Any = None
 
     # ------------------------------------------------------------------------------------------ signals
     def fit_start(self, state: State, logger: Logger) -> None:
@@ -71,6 +78,7 @@ class ResilienceMonitor(Callback):
         for sig in STOP_SIGNALS:
             signal.signal(sig, self._on_signal)
         self.last_save = time.monotonic()
+        self.group = flag_group()
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         self.signalled = signal.Signals(signum).name
@@ -85,22 +93,15 @@ class ResilienceMonitor(Callback):
             os.kill(os.getpid(), signal.SIGKILL)
         stop_file = self.folder is not None and control.stop_requested(self.folder)
         rank0 = dist.get_global_rank() == 0
-        now = time.time()
-        flags = torch.tensor(
-            [
-                int(self.signalled is not None or stop_file),
-                int(rank0 and self.deadline is not None and now >= self.deadline),
-                int(
-                    rank0
-                    and self.save_every_s is not None
-                    and time.monotonic() - self.last_save >= self.save_every_s
-                ),
-            ],
-            dtype=torch.int32,
-            device=next(state.model.parameters()).device,
+        clock_due = self.save_every_s is not None and time.monotonic() - self.last_save >= self.save_every_s
+        self.flags[:] = (
+            int(self.signalled is not None or stop_file),
+            int(rank0 and self.deadline is not None and time.time() >= self.deadline),
+            int(rank0 and clock_due),
         )
-        dist.all_reduce(flags, reduce_operation="MAX")
-        asked, late, clock_save = (bool(v) for v in flags.tolist())
+        if self.group is not None:
+            torch.distributed.all_reduce(self.flag_view, op=torch.distributed.ReduceOp.MAX, group=self.group)
+        asked, late, clock_save = (bool(v) for v in self.flags)
         self.stop_reason = "a stop signal" if asked else "the deadline" if late else None
         if self.stop_reason and self.signalled:
             self.stop_reason = self.signalled
@@ -140,6 +141,17 @@ class StopAfterSave(Callback):
         if dist.get_global_rank() == 0:
             record_exit("resumable", batch, str(stop))
         raise stop
+
+
+def flag_group() -> Any:
+    """The process group the stop flags are all-reduced over: a host-memory (gloo) one. The default group
+    under gloo (CPU ranks); a gloo group beside NCCL on GPUs. None on a single process."""
+    tdist = torch.distributed
+    if not (tdist.is_available() and tdist.is_initialized()) or tdist.get_world_size() < 2:
+        return None
+    if tdist.get_backend() == "gloo":
+        return tdist.group.WORLD
+    return tdist.new_group(backend="gloo")  # every rank runs FIT_START, so every rank joins
 
 
 def tighten_collective_timeout(seconds: float) -> None:
