@@ -216,6 +216,8 @@ class Supervisor:
 
     def attempt(self) -> Outcome:
         control.clear_attempt(self.folder)
+        if self.stop_reason is not None:  # a signal between two attempts still stops the next one
+            control.request_stop(self.folder, self.stop_reason)
         env = {**self.env, control.CONTROL_DIR_ENV: str(self.folder)}
         if self.deadline is not None:
             env[control.DEADLINE_ENV] = f"{self.deadline:.3f}"

@@ -135,12 +135,17 @@ class StopAfterSave(Callback):
                     folder / control.PROGRESS_FILE, {"saved_batch": batch, "checkpoint": checkpoint}
                 )
         reason = self.monitor.stop_reason
-        if reason is None:
+        if reason is None or at_end(state):  # the last step: saved, and the run ends by itself
             return
         stop = ResumableStop(batch, reason, checkpoint)
         if dist.get_global_rank() == 0:
             record_exit("resumable", batch, str(stop))
         raise stop
+
+
+def at_end(state: State) -> bool:
+    duration = state.max_duration
+    return duration is not None and state.timestamp.get(duration.unit) >= duration
 
 
 def flag_group() -> Any:
