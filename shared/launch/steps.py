@@ -96,7 +96,10 @@ def build_steps(plan: LaunchPlan, environ: Mapping[str, str]) -> list[Step]:
 def local_step(plan: LaunchPlan) -> Step:
     argv = local_torchrun_argv(local_torchrun(), plan.topology, plan.options, plan.program)
     node_rank = str(plan.options.node_rank or 0)
-    return Step(f"torchrun on this machine (node {node_rank})", tuple(argv), env={"NODE_RANK": node_rank})
+    what = f"torchrun on this machine (node {node_rank})"
+    if plan.supervision is not None:
+        what += ", supervised by this launch process (save on SIGTERM / SIGUSR1, restarts, hang watchdog)"
+    return Step(what, tuple(argv), env={"NODE_RANK": node_rank})
 
 
 def _title(plan: LaunchPlan, layout: str) -> str:
