@@ -197,8 +197,9 @@ class Supervisor:
         if outcome.kind == "done":
             return control.EXIT_DONE
         if outcome.kind == "resumable" or self.stop_reason is not None:
-            why = outcome.detail or self.stop_reason
-            self.log(f"stopped at step {outcome.batch} ({why}); rerun the same command to resume")
+            # The ranks' own message names the step and the checkpoint; without one (killed by a second
+            # signal) the latest checkpoint in save_folder is where a rerun resumes.
+            self.log(outcome.detail or f"stopped on {self.stop_reason}; rerun the same command to resume")
             return control.EXIT_RESUMABLE
         if outcome.kind == "fatal":
             self.log(f"a restart cannot fix this, stopping: {outcome.detail}")
