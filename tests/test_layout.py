@@ -33,6 +33,7 @@ LAYERS: dict[str, list[tuple[str, ...]]] = {
         ("checkpoints",),  # read/consolidate checkpoints, run record, retention
         ("export",),  # diffusers export, sample grids
         ("eval",),  # held-out loss, `train eval`, `train eval-images`
+        ("resilience",),  # save/stop at a step boundary, heartbeats, exit records, plan numbers
         ("loop",),  # trainer stages, lean step, clipping, guards, metrics
         ("bench", "tools"),  # make bench; demo and tiny-vae
         ("launch",),  # the job's launch description

@@ -7,6 +7,8 @@ import logging
 
 import typer
 
+from shared.launch.control import EXIT_RESUMABLE
+
 app = typer.Typer(
     add_completion=False, no_args_is_help=True, help="Train the U-Net on encoded latents; export it."
 )
@@ -64,12 +66,17 @@ def fit(
     _setup_logging()
     from train.checkpoints.record import DatasetChangedError
     from train.loop.trainer import fit as run_fit
+    from train.resilience.exits import ResumableStop, record_fatal
 
     try:
         cfg = load_config(TrainConfig, config, overrides or [], kind="train")
         _warn_unused_gpus()
         trainer = run_fit(cfg)
+    except ResumableStop as stop:
+        typer.echo(str(stop), err=True)
+        raise typer.Exit(EXIT_RESUMABLE) from None
     except (*_user_errors(), DatasetChangedError) as err:
+        record_fatal(err)  # the supervisor stops instead of restarting (shared/launch/supervisor.py)
         _fail(err)
     typer.echo(f"done at {trainer.state.timestamp.batch.value} batches; checkpoints in {cfg.save_folder}")
 

@@ -198,6 +198,53 @@ class LogConfig:
     wandb_entity: str | None = None
 
 
+_WALL_TIME = re.compile(r"^(\d+(\.\d+)?)(s|m|h|d)$")
+_WALL_TIME_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def wall_time_seconds(value: str, key: str) -> float:
+    """`90m`, `11.5h`, `2d` -> seconds."""
+    match = _WALL_TIME.match(str(value).strip())
+    if not match:
+        raise ConfigError(f"{key}={value!r} is not a duration; use e.g. 3600s, 90m, 11.5h or 2d")
+    return float(match.group(1)) * _WALL_TIME_UNITS[match.group(3)]
+
+
+@dataclass
+class ResilienceConfig:
+    """Unattended runs (docs/running-unattended.md): what the supervising launch process and the ranks do
+    on a signal, a deadline, a dead or hung rank."""
+
+    # Whole-job restarts from the last checkpoint after a rank dies or hangs, per launch (a Slurm segment).
+    max_restarts: int = 3
+    # A rank that completes no step for this long is hung: stacks logged, ranks killed, restart. Must exceed
+    # the longest pause between steps (a checkpoint save, a sample grid).
+    hang_timeout_s: float = 600.0
+    # Collective timeout from the second step on (the first keeps Composer's 300 s for start-up).
+    collective_timeout_s: float = 120.0
+    # Slurm: times the job requeues itself after saving at its time limit or on preemption.
+    max_requeues: int = 20
+    # Save and exit resumable (code 75) this long after the launch started, e.g. 11.5h; null: no limit.
+    max_wall_time: str | None = None
+    # Seconds before a deadline by which the save must start; null: from the plan's estimated save time.
+    exit_lead_s: float | None = None
+
+    def __post_init__(self) -> None:
+        for key in ("max_restarts", "max_requeues"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"resilience.{key} must be >= 0, got {getattr(self, key)}")
+        for key in ("hang_timeout_s", "collective_timeout_s"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"resilience.{key} must be > 0 seconds, got {getattr(self, key)}")
+        if self.max_wall_time is not None:
+            wall_time_seconds(self.max_wall_time, "resilience.max_wall_time")
+        if self.exit_lead_s is not None and self.exit_lead_s < 0:
+            raise ConfigError(f"resilience.exit_lead_s must be >= 0 seconds, got {self.exit_lead_s}")
+
+    def max_wall_time_s(self) -> float | None:
+        return None if self.max_wall_time is None else wall_time_seconds(self.max_wall_time, "max_wall_time")
+
+
 @dataclass
 class TrainConfig:
     name: str = "train"
@@ -211,6 +258,7 @@ class TrainConfig:
     samples: SamplesConfig = field(default_factory=SamplesConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    resilience: ResilienceConfig = field(default_factory=ResilienceConfig)
     global_batch_size: int = 2048
     device_microbatch_size: int = 4
     max_duration: str = "1ep"
@@ -241,6 +289,9 @@ class TrainConfig:
     # resumes on any rank count, and a run resuming the other format converts it once at start.
     checkpoint_format: Literal["auto", "full", "sharded"] = "auto"
     save_interval: str = "2500ba"
+    # Also save when this many minutes passed since the last save (whichever comes first); null: batches only.
+    # Bounds the work an interruption loses in minutes whatever the step time.
+    save_interval_minutes: float | None = None
     save_num_checkpoints_to_keep: int = -1  # local copies kept (-1: all)
     # Checkpoints kept in an s3:// save_folder (-1: all). Composer never deletes remote checkpoints; an
     # SD2-base checkpoint with EMA and AdamW state is ~14 GB, so a long run keeps a few.
@@ -262,6 +313,10 @@ class TrainConfig:
             raise ConfigError("save_folder is empty: set it in the train YAML or pass save_folder=...")
         if self.load_weights_only and not self.load_path:
             raise ConfigError("load_weights_only=true needs load_path=<checkpoint file or save folder>")
+        if self.save_interval_minutes is not None and self.save_interval_minutes <= 0:
+            raise ConfigError(
+                f"save_interval_minutes must be > 0 (or null), got {self.save_interval_minutes}"
+            )
         if self.save_num_remote_checkpoints_to_keep == 0 or self.save_num_remote_checkpoints_to_keep < -1:
             raise ConfigError(
                 "save_num_remote_checkpoints_to_keep must be >= 1 (the newest checkpoints kept) or -1 (all), "

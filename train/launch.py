@@ -66,7 +66,9 @@ from shared.launch.plan import (
     rank_resources,
 )
 from shared.launch.steps import build_steps
+from shared.launch.supervisor import Supervision
 from train.config import TrainConfig, time_count
+from train.resilience.plan import RunShape, exit_lead_s, resilience_lines, total_steps
 
 DEFAULT_GPU_TYPE = "A100-40GB"  # the planner's reference GPU (jobs/estimate/sd2-base.yaml)
 # Host memory per train rank (GiB), an estimate: the rank's process builds the U-Net in fp32 on the host
@@ -96,6 +98,8 @@ def plan_train(
     topology = options.topology()
     program = ("train", "fit", program_target(config), *overrides)
     plan = LaunchPlan("train", config, options, topology, program)
+    plan.supervision = supervision_of(cfg, topology, write_gb_per_s)
+    plan.max_requeues = cfg.resilience.max_requeues
     plan.resources = rank_resources(options, cfg.data.num_workers, TRAIN_BASE_GB, TRAIN_GB_PER_WORKER)
     plan.steps = build_steps(plan, os.environ if environ is None else environ)  # checks this machine (local)
     plan.batching = derive_batching(cfg.global_batch_size, topology.world_size, cfg.device_microbatch_size)
@@ -103,7 +107,31 @@ def plan_train(
     plan.cluster, notes = cluster_lines(cfg, topology, plan.batching, write_gb_per_s)
     plan.cluster.append(dataset_text_store_line(topology.world_size, gpu_type, cfg.data.uri))
     plan.notes += notes
+    shape = run_shape(cfg, topology, write_gb_per_s)
+    lead = exit_lead_s(cfg, shape.save_s)
+    plan.cluster += resilience_lines(cfg, shape, lead)
     return plan
+
+
+def supervision_of(cfg: TrainConfig, topology: Topology, write_gb_per_s: float) -> Supervision:
+    """The supervisor settings from the config's `resilience` section (shared/launch/supervisor.py)."""
+    res = cfg.resilience
+    lead = exit_lead_s(cfg, run_shape(cfg, topology, write_gb_per_s).save_s)
+    return Supervision(res.max_restarts, res.hang_timeout_s, res.max_wall_time_s(), lead)
+
+
+def run_shape(cfg: TrainConfig, topology: Topology, write_gb_per_s: float) -> RunShape:
+    """Step and save times at the published throughput (None for presets / resolutions without one)."""
+    params = PRESET_PARAMS.get(cfg.model.preset)
+    rate = PUBLISHED_IMAGES_PER_S_PER_A100.get(cfg.data.resolution)
+    world = topology.world_size
+    step_s = step_seconds(cfg.global_batch_size, rate, world) if rate and params else None
+    save_s = None
+    if params:
+        ckpt = checkpoint_cost(params, world, topology.nodes, write_gb_per_s)
+        sharded = cfg.resolved_checkpoint_format(world) == "sharded"
+        save_s = ckpt.sharded_save_s if sharded else ckpt.full_save_s
+    return RunShape(world, step_s, save_s, total_steps(cfg))
 
 
 def strategy_of(cfg: TrainConfig) -> Strategy:

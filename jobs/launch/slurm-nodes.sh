@@ -6,11 +6,46 @@ MASTER_PORT={{master_port}}
 export MASTER_ADDR MASTER_PORT
 echo "{{name}}: {{layout}}, rendezvous at $MASTER_ADDR:$MASTER_PORT"
 
-# One task per node; each starts torchrun, which starts one rank per GPU. NODE_RANK is exported as the
-# Slurm node id because torchrun does not set it and Composer names per-node signal files by it.
-# --kill-on-bad-exit: one failed node ends the step at once instead of leaving the others blocked.
-# --cpus-per-task: the node's every CPU for its ranks and data loaders (srun's default is one CPU per task).
+# Unattended (docs/running-unattended.md): each node's torchrun runs under a supervisor
+# (python -m shared.launch.supervise) that restarts it from the last checkpoint after a crash or a hang, and
+# on USR1 / TERM asks the ranks to save the current step and exit 75 (resumable). The supervisor also reads
+# this job's EndTime and has the ranks save {{lead_s}} s before it; `--signal=B:USR1@{{lead_s}}` above is
+# the backstop. After a resumable stop the job requeues itself (same run name, so it resumes) up to
+# resilience.max_requeues={{max_requeues}} times.
+SEGMENT="${SLURM_RESTART_COUNT:-0}"
+echo "{{name}}: segment $SEGMENT (requeues so far: $SEGMENT of at most {{max_requeues}}), started $(date -u +%FT%TZ)"
+ask_ranks_to_save() {
+  echo "{{name}}: $1 received: asking the ranks to save the current step and exit"
+  kill -USR1 "$SRUN_PID" 2>/dev/null || true  # srun forwards it to every node's supervisor
+}
+trap 'ask_ranks_to_save USR1' USR1
+trap 'ask_ranks_to_save TERM' TERM
+
+# One task per node; each starts the supervisor, which starts torchrun, which starts one rank per GPU.
+# NODE_RANK is exported as the Slurm node id because torchrun does not set it and Composer names per-node
+# signal files by it. --kill-on-bad-exit: one failed node ends the step at once instead of leaving the
+# others blocked. --cpus-per-task: the node's every CPU for its ranks and data loaders (srun's default is
+# one CPU per task).
 srun --nodes={{nodes}} --ntasks-per-node=1 --cpus-per-task="$SLURM_CPUS_ON_NODE" --kill-on-bad-exit=1 bash -c '
 export NODE_RANK="$SLURM_NODEID"
-exec "$0" --nnodes={{nodes}} --nproc-per-node={{gpus_per_node}} --node-rank="$SLURM_NODEID" \
-  --master-addr="$MASTER_ADDR" --master-port="$MASTER_PORT" "$@"' {{torchrun}} -m {{program}}
+exec {{python}} -m shared.launch.supervise {{supervise_flags}} -- "$0" --nnodes={{nodes}} \
+  --nproc-per-node={{gpus_per_node}} --node-rank="$SLURM_NODEID" \
+  --master-addr="$MASTER_ADDR" --master-port="$MASTER_PORT" "$@"' {{torchrun}} -m {{program}} &
+SRUN_PID=$!
+# A trapped signal makes `wait` return early: wait again until srun itself has exited.
+set +e
+while true; do
+  wait "$SRUN_PID"
+  RC=$?
+  kill -0 "$SRUN_PID" 2>/dev/null || break
+done
+set -e
+if [ "$RC" -eq 75 ]; then
+  if [ "$SEGMENT" -lt {{max_requeues}} ]; then
+    echo "{{name}}: saved and stopped; requeueing job $SLURM_JOB_ID as segment $((SEGMENT + 1))"
+    scontrol requeue "$SLURM_JOB_ID"
+    exit 0
+  fi
+  echo "{{name}}: saved and stopped, but the {{max_requeues}} requeues of resilience.max_requeues are spent; resubmit to go on"
+fi
+exit "$RC"

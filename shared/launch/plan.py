@@ -26,6 +26,7 @@ from typing import Literal
 
 from shared.batching import Batching
 from shared.config import REPO_ROOT
+from shared.launch.supervisor import Supervision
 
 Launcher = Literal["local", "slurm", "k8s"]
 LAUNCHERS: tuple[str, ...] = ("local", "slurm", "k8s")
@@ -190,6 +191,10 @@ class LaunchPlan:
     resources: RankResources | None = None  # per rank; None: the scheduler's defaults
     cluster: list[str] = field(default_factory=list)  # train only: communication / checkpoint lines
     notes: list[str] = field(default_factory=list)
+    # train only: how each node's supervisor restarts and stops the ranks (shared/launch/supervisor.py);
+    # None: torchrun runs bare (encode). `max_requeues`: Slurm requeues after a resumable stop.
+    supervision: Supervision | None = None
+    max_requeues: int = 0
 
     @property
     def name(self) -> str:

@@ -246,6 +246,7 @@ def render_k8s_job(
     namespace: str | None,
     master_port: int,
     node: RankResources | None = None,
+    grace_s: int = 30,
 ) -> str:
     """The headless Service + Indexed Job manifest (two YAML documents); `node`: one pod's requests."""
     values = {
@@ -260,6 +261,7 @@ def render_k8s_job(
         "resources": _yaml_block(k8s_resources(topology.gpus_per_node, node)),
         "master_port": master_port,
         "backoff_limit": K8S_RESTARTS_PER_NODE * topology.nodes,
+        "grace_s": grace_s,
     }
     return render_template(load_template(K8S_JOB), values)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import shlex
 from collections.abc import Mapping
 from pathlib import Path
@@ -37,12 +38,25 @@ from shared.launch.specs import (
     render_sbatch,
     secret_by_value,
 )
+from shared.launch.supervisor import Supervision
 from shared.launch.validate import check_options, check_value, check_values, parse_sbatch_option
 
 # The pod annotation an Indexed Job sets to the pod's index: node rank i is pod i.
 K8S_COMPLETION_INDEX = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
 SBATCH = ("sbatch", "--parsable")  # --parsable: print only "<job id>[;<cluster>]"
 KUBECTL_APPLY = ("kubectl", "apply", "-f", "-")
+K8S_DEFAULT_GRACE_S = 30  # Kubernetes' own terminationGracePeriodSeconds
+
+
+def requeue_resources(supervision: Supervision) -> dict[str, object]:
+    """#SBATCH lines for a job that saves and requeues itself: the batch shell gets USR1 `lead` seconds
+    before the time limit (a backstop for the supervisor's own deadline), the job may be requeued, and its
+    segments append to one log."""
+    return {
+        "signal": f"B:USR1@{math.ceil(supervision.deadline_lead_s)}",
+        "requeue": True,
+        "open-mode": "append",
+    }
 
 
 def _k8s_notes(plan: LaunchPlan) -> list[str]:
@@ -82,7 +96,10 @@ def build_steps(plan: LaunchPlan, environ: Mapping[str, str]) -> list[Step]:
 def local_step(plan: LaunchPlan) -> Step:
     argv = local_torchrun_argv(local_torchrun(), plan.topology, plan.options, plan.program)
     node_rank = str(plan.options.node_rank or 0)
-    return Step(f"torchrun on this machine (node {node_rank})", tuple(argv), env={"NODE_RANK": node_rank})
+    what = f"torchrun on this machine (node {node_rank})"
+    if plan.supervision is not None:
+        what += ", supervised by this launch process (save on SIGTERM / SIGUSR1, restarts, hang watchdog)"
+    return Step(what, tuple(argv), env={"NODE_RANK": node_rank})
 
 
 def _title(plan: LaunchPlan, layout: str) -> str:
@@ -101,7 +118,12 @@ def slurm_nodes_step(plan: LaunchPlan) -> Step:
     """One sbatch script: `nodes` whole nodes, torchrun on each, rendezvous at the first."""
     topo, options = plan.topology, plan.options
     torchrun = check_value(slurm_torchrun(), "the torchrun path")
+    supervision = plan.supervision or Supervision()
     values = {
+        "python": shlex.quote(repo_python()),
+        "supervise_flags": shlex.join(supervision.flags()),
+        "lead_s": f"{supervision.deadline_lead_s:g}",
+        "max_requeues": plan.max_requeues,
         "nodes": topo.nodes,
         "gpus_per_node": topo.gpus_per_node,
         "layout": layout(topo),
@@ -109,7 +131,8 @@ def slurm_nodes_step(plan: LaunchPlan) -> Step:
         "torchrun": shlex.quote(torchrun),
         "program": shlex.join(plan.program),
     }
-    header = _sbatch_header(plan, layout(topo), plan.name, node_resources(topo))
+    resources = {**node_resources(topo), **requeue_resources(supervision)}
+    header = _sbatch_header(plan, layout(topo), plan.name, resources)
     script = render_sbatch(SLURM_NODES, header, values)
     return Step("the sbatch script", SBATCH, stdin=script, file_name=f"{plan.name}.sbatch")
 
@@ -150,7 +173,9 @@ def k8s_step(plan: LaunchPlan, environ: Mapping[str, str]) -> Step:
     master = f"{plan.name}-0.{plan.name}"
     # $(NODE_RANK) is expanded by Kubernetes from the env entry below (the pod's completion index).
     flags = torchrun_args(topo, "$(NODE_RANK)", master, str(options.master_port))
-    command = ["torchrun", *flags, "-m", *plan.program]
+    supervision = plan.supervision or Supervision()
+    supervise = ["python", "-m", "shared.launch.supervise", *supervision.flags(), "--"]
+    command = [*supervise, "torchrun", *flags, "-m", *plan.program]
     env = [{"name": "NODE_RANK", "valueFrom": {"fieldRef": {"fieldPath": K8S_COMPLETION_INDEX}}}]
     env_vars = load_env_vars(options.efa)
     env += render_env_entries(env_vars, environ, options.secret)
@@ -171,5 +196,6 @@ def k8s_step(plan: LaunchPlan, environ: Mapping[str, str]) -> Step:
         options.namespace,
         options.master_port,
         node,
+        grace_s=max(K8S_DEFAULT_GRACE_S, math.ceil(supervision.deadline_lead_s)),
     )
     return Step("the Kubernetes manifest", KUBECTL_APPLY, stdin=manifest, file_name=f"{plan.name}.yaml")

@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from typing import NoReturn
 
 from shared.launch.plan import ARRAY_JOB_ID, LaunchError, LaunchPlan, Step, workdir
+from shared.launch.supervisor import Supervision, Supervisor
 
 # What to do when a cluster binary is missing from PATH.
 BINARY_FIXES = {
@@ -24,7 +25,9 @@ def execute(plan: LaunchPlan, echo: Callable[[str], None] = print) -> None:
     """Run the plan's steps. Local: becomes torchrun (never returns). Else: submits and reports the ids."""
     require_binaries(plan)
     if plan.options.launcher == "local":
-        exec_step(plan.steps[0])
+        if plan.supervision is None:
+            exec_step(plan.steps[0])
+        sys.exit(supervise_step(plan.steps[0], plan.supervision))
     job_ids: list[str] = []
     for step in plan.steps:
         argv = [arg.replace(ARRAY_JOB_ID, job_ids[-1]) if job_ids else arg for arg in step.argv]
@@ -51,6 +54,12 @@ def exec_step(step: Step) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(step.argv[0], list(step.argv), {**os.environ, **step.env})
+
+
+def supervise_step(step: Step, supervision: Supervision) -> int:
+    """Run the step under a supervisor that stays this process (signals, restarts, hangs); its exit code."""
+    sys.stdout.flush()
+    return Supervisor(step.argv, supervision, env={**os.environ, **step.env}).run()
 
 
 def run_step(argv: Sequence[str], step: Step) -> str:

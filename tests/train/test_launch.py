@@ -368,6 +368,10 @@ def test_rendered_slurm_script_rendezvouses_two_nodes(tmp_path: Path) -> None:
         "master_port": free_port(),
         "torchrun": local_torchrun(),
         "program": "launch_probe --flag 'a b'",
+        "python": sys.executable,
+        "supervise_flags": "--max-restarts=0",
+        "lead_s": "60",
+        "max_requeues": 0,
     }
     env_block = render_env_exports(load_env_vars(efa=False))
     header = SbatchHeader("probe", "probe", node_resources(topo), SlurmSite(), env_block, str(tmp_path))
@@ -412,7 +416,11 @@ def test_k8s_manifest_has_replicas_gpus_command_and_env(train_yaml: Path, monkey
     [container] = pod["containers"]
     assert container["image"] == "reg/sd:1"
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 8
+    # Each pod's supervisor restarts its torchrun and saves on SIGTERM within the grace period.
+    assert pod["terminationGracePeriodSeconds"] >= 30
+    supervise = ["python", "-m", "shared.launch.supervise", *plan.supervision.flags(), "--"]
     assert container["command"] == [
+        *supervise,
         "torchrun",
         "--nnodes=4",
         "--nproc-per-node=8",

@@ -46,9 +46,13 @@ def weights_finite(model: torch.nn.Module) -> torch.Tensor:
 class NonFiniteGuard(Callback):
     """Raise NonFiniteLossError when a loss since the last check was not finite (see module doc)."""
 
-    def __init__(self, check_interval: str, save_interval: str):
+    def __init__(self, check_interval: str, save_interval: Any):
         self.check_due = create_interval_scheduler(check_interval, include_end_of_training=True)
-        self.save_due = create_interval_scheduler(save_interval, include_end_of_training=True)
+        # A schedule callable (the CheckpointSaver's own, train/resilience/monitor.py) or an interval string.
+        self.save_due = (
+            save_interval if callable(save_interval)
+            else create_interval_scheduler(save_interval, include_end_of_training=True)
+        )  # fmt: skip
         self.bad: torch.Tensor | None = None
         self.last_good_batch = 0
 

@@ -236,9 +236,13 @@ class StepLossLog(Callback):
     """Each optimizer step's loss (the sample-weighted mean over its microbatches, averaged over ranks, as
     Composer's `loss/train/total`), kept on the device and logged in bursts (see module doc)."""
 
-    def __init__(self, log_interval: str, save_interval: str):
+    def __init__(self, log_interval: str, save_interval: Any):
         self.log_every = time_count(log_interval)
-        self.save_due = create_interval_scheduler(save_interval, include_end_of_training=True)
+        # A schedule callable (the CheckpointSaver's own, train/resilience/monitor.py) or an interval string.
+        self.save_due = (
+            save_interval if callable(save_interval)
+            else create_interval_scheduler(save_interval, include_end_of_training=True)
+        )  # fmt: skip
         self.step_sum: torch.Tensor | None = None  # this step's sum of loss * microbatch size
         self.step_samples = 0
         self.steps: list[int] = []

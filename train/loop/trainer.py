@@ -107,7 +107,9 @@ def build_algorithms(ctx: RunContext) -> list[Any]:
     return algorithms
 
 
-def build_callbacks(ctx: RunContext, model: DiffusionModel) -> list[Any]:
+def build_callbacks(ctx: RunContext, model: DiffusionModel, saves: Any = None) -> list[Any]:
+    """`saves`: the CheckpointSaver's schedule (train/resilience/monitor.py), so the guard and the loss log
+    run before every save, the extra ones on a signal or the wall clock too; None: save_interval."""
     from composer.callbacks import LRMonitor, MemoryMonitor, RuntimeEstimator, SpeedMonitor
 
     from train.checkpoints.record import RunRecord
@@ -122,8 +124,8 @@ def build_callbacks(ctx: RunContext, model: DiffusionModel) -> list[Any]:
     callbacks: list[Any] = [
         # Before Composer's CheckpointSaver (appended after these): NaN weights are never saved, and every
         # step's loss is in metrics.jsonl before the checkpoint covering it is published.
-        NonFiniteGuard(cfg.log.console_interval, cfg.save_interval),
-        StepLossLog(cfg.log.console_interval, cfg.save_interval),
+        NonFiniteGuard(cfg.log.console_interval, saves or cfg.save_interval),
+        StepLossLog(cfg.log.console_interval, saves or cfg.save_interval),
         RunRecord(run_record(ctx, model), allow_dataset_change=cfg.data.allow_dataset_change),
         DatasetLease(cfg.data.uri, ctx.manifest.version, ctx.run_name),  # `encode gc` keeps this version
         SpeedMonitor(window_size=cfg.log.speed_window),
@@ -234,6 +236,7 @@ def write_resolved_config(ctx: RunContext) -> None:
 
 def build_trainer(cfg: TrainConfig) -> Trainer:
     from train.loop.step import LeanTrainer
+    from train.resilience.monitor import ResilienceMonitor, StopAfterSave
 
     ctx = prepare_run(cfg)
     model = build_model(ctx)
@@ -249,8 +252,12 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
     )
     # Composer loads load_path inside Trainer(): safely (a checkpoint is data), in the format this run writes.
     checkpoint_format = cfg.resolved_checkpoint_format(ctx.batching.world_size)
+    # First callback: decides at each step boundary whether to save / stop (train/resilience/monitor.py).
+    monitor = ResilienceMonitor(
+        cfg.save_interval, cfg.save_interval_minutes, cfg.resilience.collective_timeout_s
+    )
     with composer_loads_safely(ctx.start.load_path, checkpoint_format) as load_path:
-        return LeanTrainer(
+        trainer = LeanTrainer(
             model=model,
             train_dataloader=packed_data_spec(dataloader),
             max_duration=cfg.max_duration,
@@ -258,7 +265,7 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
             schedulers=build_schedulers(cfg),
             step_schedulers_every_batch=True,
             algorithms=build_algorithms(ctx),
-            callbacks=build_callbacks(ctx, model),
+            callbacks=[monitor, *build_callbacks(ctx, model, saves=monitor)],
             loggers=build_loggers(ctx),
             run_name=ctx.run_name,
             progress_bar=False,
@@ -269,7 +276,7 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
             save_folder=cfg.save_folder,
             save_filename=CHECKPOINT_FILENAME,
             save_latest_filename=LATEST_NAME,
-            save_interval=cfg.save_interval,
+            save_interval=monitor,
             save_num_checkpoints_to_keep=composer_keep(cfg),
             # After a crash the dead attempt may have written checkpoints past the one we resume from.
             save_overwrite=cfg.autoresume,
@@ -282,6 +289,8 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
             compile_config=None,  # cfg.compile compiles the U-Net alone (train/model/assemble.py)
             fsdp_no_sync=cfg.fsdp_no_sync,  # accumulation without per-microbatch collectives (step.py)
         )
+    trainer.state.callbacks.append(StopAfterSave(monitor, trainer._checkpoint_saver))  # after the saver
+    return trainer
 
 
 def fit(cfg: TrainConfig) -> Trainer:

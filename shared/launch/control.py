@@ -1,0 +1,99 @@
+"""The files a supervisor (shared/launch/supervisor.py) and the ranks it runs share, in one node-local folder.
+
+The supervisor creates the folder and passes it to every rank as $SD_CONTROL_DIR (torchrun hands its
+environment on). The ranks write; the supervisor reads, except `stop`, which goes the other way:
+- `heartbeat-rank<R>`: "<batch> <pid>", rewritten after every step; its mtime is the rank's last sign of life.
+- `progress.json` (global rank 0): the last batch and the checkpoint saved, so a supervisor that gives up can
+  name what a rerun resumes from.
+- `exit.json` (global rank 0): why the ranks stopped when they stopped on purpose (`resumable`: saved on a
+  signal or a deadline; `fatal`: an error no restart can fix, with its message).
+- `stop`: the supervisor's request to save and exit (it got SIGTERM / SIGUSR1); every rank looks for it at
+  the step boundary and the ranks agree on it with one all-reduce.
+$SD_DEADLINE (seconds since the epoch) is when the ranks must have saved and stopped (a Slurm job's end time
+less the lead time a save needs). Light: no torch, so encode and planning can import it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+CONTROL_DIR_ENV = "SD_CONTROL_DIR"
+DEADLINE_ENV = "SD_DEADLINE"
+STOP_FILE = "stop"
+PROGRESS_FILE = "progress.json"
+EXIT_FILE = "exit.json"
+HEARTBEAT_PREFIX = "heartbeat-rank"
+
+# Exit codes of `python -m train fit` and of the supervisor (documented in docs/running-unattended.md).
+EXIT_DONE = 0
+EXIT_GAVE_UP = 1  # restarts spent, or the same failure again at the same step: a person has to look
+EXIT_FATAL = 2  # a config / data / NaN error that no restart fixes; the message names it
+EXIT_RESUMABLE = 75  # saved and stopped on a signal or a deadline (EX_TEMPFAIL): rerun the same command
+
+
+def control_dir() -> Path | None:
+    """This rank's control folder, or None when it runs without a supervisor."""
+    value = os.environ.get(CONTROL_DIR_ENV)
+    return Path(value) if value else None
+
+
+def deadline() -> float | None:
+    value = os.environ.get(DEADLINE_ENV)
+    return float(value) if value else None
+
+
+def write_json(path: Path, payload: dict[str, Any]) -> None:
+    """Atomically (a reader never sees half a file)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(payload))
+    os.replace(tmp, path)
+
+
+def read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def write_heartbeat(folder: Path, rank: int, batch: int) -> None:
+    (folder / f"{HEARTBEAT_PREFIX}{rank}").write_text(f"{batch} {os.getpid()}")
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    rank: int
+    batch: int
+    pid: int
+    mtime: float
+
+
+def read_heartbeats(folder: Path) -> list[Heartbeat]:
+    beats = []
+    for path in folder.glob(f"{HEARTBEAT_PREFIX}*"):
+        try:
+            batch, pid = path.read_text().split()
+            beats.append(
+                Heartbeat(int(path.name[len(HEARTBEAT_PREFIX) :]), int(batch), int(pid), path.stat().st_mtime)
+            )
+        except (OSError, ValueError):
+            continue  # being rewritten: read again on the next poll
+    return sorted(beats, key=lambda beat: beat.rank)
+
+
+def request_stop(folder: Path, reason: str) -> None:
+    (folder / STOP_FILE).write_text(reason)
+
+
+def stop_requested(folder: Path) -> bool:
+    return (folder / STOP_FILE).exists()
+
+
+def clear_attempt(folder: Path) -> None:
+    """Before a (re)start: no heartbeat, exit record or stop request of the previous attempt remains."""
+    for path in [*folder.glob(f"{HEARTBEAT_PREFIX}*"), folder / EXIT_FILE, folder / STOP_FILE]:
+        path.unlink(missing_ok=True)

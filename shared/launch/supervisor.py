@@ -1,0 +1,266 @@
+"""A supervising launch process: runs torchrun, restarts it after a crash or a hang, stops it with a save.
+
+`python -m train launch` used to replace itself with torchrun, so a SIGTERM reached torchrun, which forwards
+it, SIGKILLs the ranks 30 s later and exits 1 even after a clean save; SIGUSR1 killed torchrun and orphaned
+the ranks. Now the launch process stays, as the parent of torchrun (in a session of its own, so a terminal's
+Ctrl-C or a TERM to the launch's process group reaches only this process):
+- SIGTERM / SIGUSR1 / SIGINT: writes the control folder's `stop` file; the ranks agree on it at the next step
+  boundary, save and exit, and the supervisor exits EXIT_RESUMABLE. A second signal kills the ranks.
+- a rank dies (kill -9, OOM, a lost GPU): torchrun fails; the whole node restarts from the last checkpoint,
+  up to `max_restarts` times.
+- a rank completes no step for `hang_timeout_s` (its heartbeat goes stale): every rank's Python stack is
+  logged (py-spy reads a stopped process from outside), every process of the attempt is SIGKILLed, and the
+  node restarts as after a crash.
+- an error no restart fixes (rank 0 records it as `fatal`), or a failure at the same step as the previous
+  one: stop at once with its message and the checkpoint a rerun resumes from.
+The files it shares with the ranks are described in shared/launch/control.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from shared.launch import control
+
+STACK_TIMEOUT_S = 30  # py-spy reads a process's memory; a few seconds even for a large one
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+CONTROL_PREFIX = "sd-control-"
+
+
+@dataclass(frozen=True)
+class Supervision:
+    """How a launch is supervised (from the train config's `resilience` section)."""
+
+    max_restarts: int = 3
+    hang_timeout_s: float = 600.0
+    max_wall_time_s: float | None = None  # from this launch's start; None: no limit of its own
+    # Seconds before a scheduler's end time by which the ranks must have saved (Slurm: from EndTime).
+    deadline_lead_s: float = 120.0
+    poll_s: float = 0.5
+
+    def flags(self) -> list[str]:
+        """The same settings as `python -m shared.launch.supervise` flags (sbatch scripts, pod commands)."""
+        out = [f"--max-restarts={self.max_restarts}", f"--hang-timeout-s={self.hang_timeout_s:g}"]
+        out.append(f"--deadline-lead-s={self.deadline_lead_s:g}")
+        if self.max_wall_time_s is not None:
+            out.append(f"--max-wall-time-s={self.max_wall_time_s:g}")
+        return out
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How one torchrun attempt ended."""
+
+    kind: str  # done | resumable | fatal | crash | hang
+    batch: int  # the highest step any rank completed (-1: none)
+    detail: str = ""
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid`, from /proc (torchrun starts its ranks in sessions of their own, so a
+    process-group kill misses them)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def py_spy() -> str | None:
+    beside = Path(sys.executable).parent / "py-spy"
+    return str(beside) if beside.exists() else shutil.which("py-spy")
+
+
+def stack_of(pid: int) -> str:
+    """A process's Python stacks, taken from outside (works on a stopped or wedged process)."""
+    tool = py_spy()
+    if tool:
+        try:
+            done = subprocess.run(
+                [tool, "dump", "--pid", str(pid), "--nonblocking"],
+                capture_output=True, text=True, timeout=STACK_TIMEOUT_S, check=False,
+            )  # fmt: skip
+            if done.returncode == 0:
+                return done.stdout
+        except subprocess.TimeoutExpired:
+            pass
+    try:  # without py-spy: the kernel's view (state and where it sleeps)
+        status = Path(f"/proc/{pid}/status").read_text().splitlines()
+        state = next((line for line in status if line.startswith("State:")), "State: ?")
+        wchan = Path(f"/proc/{pid}/wchan").read_text()
+        return f"{state}; waiting in {wchan or '?'} (install py-spy for Python stacks)"
+    except OSError as err:
+        return f"unreadable: {err}"
+
+
+def kill_all(pids: Sequence[int]) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)  # SIGKILL also ends a SIGSTOPped process
+
+
+class Supervisor:
+    """Runs `argv` (torchrun ...) until it finishes, stops on request, or gives up (see module doc)."""
+
+    def __init__(
+        self,
+        argv: Sequence[str],
+        supervision: Supervision,
+        env: Mapping[str, str] | None = None,
+        log: Callable[[str], None] | None = None,
+        deadline: float | None = None,
+    ):
+        self.argv = list(argv)
+        self.supervision = supervision
+        self.env = dict(os.environ if env is None else env)
+        self.log = log or (lambda text: print(f"supervisor: {text}", file=sys.stderr, flush=True))
+        # Node-local ($TMPDIR): heartbeats are rewritten every step and must not load a shared filesystem.
+        self.folder = Path(tempfile.mkdtemp(prefix=CONTROL_PREFIX))
+        self.deadline = deadline
+        if supervision.max_wall_time_s is not None:
+            own = time.time() + supervision.max_wall_time_s - supervision.deadline_lead_s
+            self.deadline = own if deadline is None else min(deadline, own)
+        self.stop_reason: str | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    # ------------------------------------------------------------------------------------------ signals
+    def on_signal(self, signum: int, frame: object) -> None:
+        name = signal.Signals(signum).name
+        if self.stop_reason is None:
+            self.stop_reason = name
+            self.log(f"{name}: asking every rank to save at the next step boundary and exit")
+            control.request_stop(self.folder, name)
+            return
+        self.log(f"second signal ({name}): killing the ranks without a save")
+        if self.proc is not None:
+            kill_all([*descendants(self.proc.pid), self.proc.pid])
+
+    # ------------------------------------------------------------------------------------------ the run
+    def run(self) -> int:
+        previous = {sig: signal.signal(sig, self.on_signal) for sig in STOP_SIGNALS}
+        try:
+            return self._loop()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            shutil.rmtree(self.folder, ignore_errors=True)
+
+    def _loop(self) -> int:
+        restarts, last_failure = 0, None
+        while True:
+            outcome = self.attempt()
+            code = self.final_code(outcome)
+            if code is not None:
+                return code
+            where = self.resume_point()
+            if last_failure is not None and outcome.batch == last_failure:
+                self.log(
+                    f"{outcome.kind} again at step {outcome.batch}, as before the last restart: a restart "
+                    f"will not fix it; stopping ({outcome.detail}). A rerun resumes from {where}"
+                )
+                return control.EXIT_GAVE_UP
+            if restarts >= self.supervision.max_restarts:
+                self.log(
+                    f"{outcome.kind} at step {outcome.batch} after {restarts} restart(s), the budget "
+                    f"(resilience.max_restarts={self.supervision.max_restarts}); stopping. A rerun resumes "
+                    f"from {where}"
+                )
+                return control.EXIT_GAVE_UP
+            restarts, last_failure = restarts + 1, outcome.batch
+            self.log(
+                f"{outcome.kind} at step {outcome.batch} ({outcome.detail}): restart "
+                f"{restarts}/{self.supervision.max_restarts} from {where}"
+            )
+
+    def final_code(self, outcome: Outcome) -> int | None:
+        """The supervisor's exit code when this outcome ends the launch; None: restart."""
+        if outcome.kind == "done":
+            return control.EXIT_DONE
+        if outcome.kind == "resumable" or self.stop_reason is not None:
+            # The ranks' own message names the step and the checkpoint; without one (killed by a second
+            # signal) the latest checkpoint in save_folder is where a rerun resumes.
+            self.log(outcome.detail or f"stopped on {self.stop_reason}; rerun the same command to resume")
+            return control.EXIT_RESUMABLE
+        if outcome.kind == "fatal":
+            self.log(f"a restart cannot fix this, stopping: {outcome.detail}")
+            return control.EXIT_FATAL
+        return None
+
+    def resume_point(self) -> str:
+        progress = control.read_json(self.folder / control.PROGRESS_FILE) or {}
+        checkpoint = progress.get("checkpoint")
+        return (
+            f"the checkpoint of step {progress.get('saved_batch')} ({checkpoint})"
+            if checkpoint
+            else ("the latest checkpoint in save_folder (none saved by this launch)")
+        )
+
+    def attempt(self) -> Outcome:
+        control.clear_attempt(self.folder)
+        if self.stop_reason is not None:  # a signal between two attempts still stops the next one
+            control.request_stop(self.folder, self.stop_reason)
+        env = {**self.env, control.CONTROL_DIR_ENV: str(self.folder)}
+        if self.deadline is not None:
+            env[control.DEADLINE_ENV] = f"{self.deadline:.3f}"
+        self.proc = subprocess.Popen(self.argv, env=env, start_new_session=True)
+        hung = None
+        while self.proc.poll() is None and hung is None:
+            time.sleep(self.supervision.poll_s)
+            hung = self.stale_ranks()
+        beats = control.read_heartbeats(self.folder)
+        batch = max((beat.batch for beat in beats), default=-1)
+        if hung is not None:
+            self.tear_down(hung)
+            return Outcome(
+                "hang", batch, f"rank(s) {hung} completed no step for {self.supervision.hang_timeout_s:g} s"
+            )
+        return self.classify(self.proc.returncode, batch)
+
+    def stale_ranks(self) -> list[int] | None:
+        """Ranks whose last step is older than hang_timeout_s (None: all alive or not started stepping)."""
+        now = time.time()
+        stale = [
+            b.rank
+            for b in control.read_heartbeats(self.folder)
+            if now - b.mtime > self.supervision.hang_timeout_s
+        ]
+        return stale or None
+
+    def classify(self, returncode: int, batch: int) -> Outcome:
+        record = control.read_json(self.folder / control.EXIT_FILE) or {}
+        if returncode == 0:
+            return Outcome("done", batch)
+        if record.get("state") in ("resumable", "fatal"):
+            return Outcome(record["state"], int(record.get("batch", batch)), str(record.get("message", "")))
+        return Outcome("crash", batch, f"torchrun exited {returncode}")
+
+    def tear_down(self, hung: list[int]) -> None:
+        """Log every rank's stack, then SIGKILL every process of the attempt."""
+        assert self.proc is not None
+        procs = descendants(self.proc.pid)
+        ranks = {beat.pid: beat.rank for beat in control.read_heartbeats(self.folder)}
+        self.log(f"rank(s) {hung} hung (no step for {self.supervision.hang_timeout_s:g} s); stacks follow")
+        for pid, rank in sorted(ranks.items(), key=lambda item: item[1]):
+            self.log(f"--- rank {rank} (pid {pid}) ---\n{stack_of(pid)}")
+        kill_all([*procs, self.proc.pid])
+        self.proc.wait()

@@ -1,0 +1,133 @@
+"""The supervisor's decisions with real child processes (bash scripts speaking the control-folder protocol
+of shared/launch/control.py): restart budget, crash loops, fatal errors, hangs and stop signals. The same
+paths with real training ranks: tests/train/resilience/test_unattended.py."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from shared.launch import control
+from shared.launch.deadline import parse_end_time
+from shared.launch.supervisor import Supervision, Supervisor, descendants
+
+FAST = {"poll_s": 0.05}
+
+
+def script(tmp_path: Path, body: str) -> list[str]:
+    """A child that counts its attempts in tmp_path/attempts, then runs `body` (bash)."""
+    path = tmp_path / "child.sh"
+    head = 'n=$(( $(cat "$T/attempts" 2>/dev/null || echo 0) + 1 )); echo $n > "$T/attempts"\n'
+    path.write_text("#!/bin/bash\n" + head + textwrap.dedent(body))
+    path.chmod(0o755)
+    return [str(path)]
+
+
+def run(tmp_path: Path, body: str, **supervision: float) -> tuple[int, list[str]]:
+    lines: list[str] = []
+    env = {**os.environ, "T": str(tmp_path)}
+    argv = script(tmp_path, body)
+    code = Supervisor(argv, Supervision(**{**FAST, **supervision}), env=env, log=lines.append).run()
+    return code, lines
+
+
+def attempts(tmp_path: Path) -> int:
+    return int((tmp_path / "attempts").read_text())
+
+
+def test_a_crash_at_a_new_step_each_time_restarts_until_the_budget(tmp_path: Path) -> None:
+    # Each attempt gets one step further (heartbeat batch = attempt number), then dies like a killed rank.
+    body = 'echo "$n $$" > "$SD_CONTROL_DIR/heartbeat-rank0"; kill -9 $$\n'
+    code, lines = run(tmp_path, body, max_restarts=2)
+    assert code == control.EXIT_GAVE_UP
+    assert attempts(tmp_path) == 3  # the first run and 2 restarts
+    assert "restart 2/2" in "\n".join(lines) and "the budget" in lines[-1]
+
+
+def test_the_same_failure_at_the_same_step_stops_without_spending_the_budget(tmp_path: Path) -> None:
+    body = 'echo "6 $$" > "$SD_CONTROL_DIR/heartbeat-rank0"\n'
+    body += 'progress=\'{"saved_batch": 4, "checkpoint": "ep0-ba4"}\'\n'
+    body += 'echo "$progress" > "$SD_CONTROL_DIR/progress.json"; exit 1\n'
+    code, lines = run(tmp_path, body, max_restarts=5)
+    assert code == control.EXIT_GAVE_UP
+    assert attempts(tmp_path) == 2
+    assert "again at step 6" in lines[-1] and "the checkpoint of step 4 (ep0-ba4)" in lines[-1]
+
+
+def test_a_fatal_error_stops_at_once_with_its_message(tmp_path: Path) -> None:
+    body = """echo '{"state": "fatal", "batch": -1, "message": "ConfigError: data.uri is empty"}' \\
+        > "$SD_CONTROL_DIR/exit.json"; exit 1\n"""
+    code, lines = run(tmp_path, body, max_restarts=3)
+    assert code == control.EXIT_FATAL
+    assert attempts(tmp_path) == 1 and "data.uri is empty" in lines[-1]
+
+
+def test_a_stale_heartbeat_is_a_hang_the_processes_are_killed_and_restarted(tmp_path: Path) -> None:
+    # Attempt 1 writes one heartbeat then stops itself (SIGSTOP: it cannot answer any signal); attempt 2 ends.
+    body = """if [ $n -eq 1 ]; then echo "3 $$" > "$SD_CONTROL_DIR/heartbeat-rank0"; kill -STOP $$; fi
+    exit 0
+    """
+    code, lines = run(tmp_path, body, max_restarts=1, hang_timeout_s=1)
+    assert code == control.EXIT_DONE and attempts(tmp_path) == 2
+    text = "\n".join(lines)
+    assert "rank(s) [0] hung" in text and "--- rank 0 (pid" in text
+    assert "restart 1/1" in text
+
+
+def test_sigterm_asks_the_ranks_to_stop_and_exits_resumable(tmp_path: Path) -> None:
+    # The child plays a rank: waits for the stop file, records a resumable exit, exits.
+    body = """echo "1 $$" > "$SD_CONTROL_DIR/heartbeat-rank0"
+    until [ -e "$SD_CONTROL_DIR/stop" ]; do sleep 0.05; done
+    echo '{"state": "resumable", "batch": 1, "message": "saved"}' > "$SD_CONTROL_DIR/exit.json"; exit 75
+    """
+    timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM))
+    timer.start()
+    try:
+        code, lines = run(tmp_path, body, max_restarts=3)
+    finally:
+        timer.cancel()
+    assert code == control.EXIT_RESUMABLE and attempts(tmp_path) == 1
+    assert any("SIGTERM" in line for line in lines)
+
+
+def test_descendants_finds_grandchildren_in_new_sessions() -> None:
+    code = (
+        "import subprocess, time; subprocess.Popen(['sleep', '30'], start_new_session=True); time.sleep(30)"
+    )
+    child = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        deadline = time.time() + 20
+        while len(descendants(child.pid)) < 1 and time.time() < deadline:
+            time.sleep(0.05)
+        assert len(descendants(child.pid)) == 1
+    finally:
+        for pid in [*descendants(child.pid), child.pid]:
+            os.kill(pid, signal.SIGKILL)
+        child.wait()
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("JobId=7 EndTime=2026-11-25T18:00:00 Deadline=N/A", "2026-11-25T18:00:00"), ("EndTime=Unknown", None)],
+)
+def test_slurm_end_time_is_read_from_scontrol(text: str, expected: str | None) -> None:
+    from datetime import datetime
+
+    want = None if expected is None else datetime.fromisoformat(expected).timestamp()
+    assert parse_end_time(text) == want
+
+
+def test_max_wall_time_becomes_the_ranks_deadline_less_the_lead(tmp_path: Path) -> None:
+    body = 'echo "$SD_DEADLINE" > "$T/deadline"\n'
+    before = time.time()
+    code, _ = run(tmp_path, body, max_wall_time_s=100, deadline_lead_s=10)
+    assert code == control.EXIT_DONE
+    assert before + 90 <= float((tmp_path / "deadline").read_text()) <= time.time() + 90

@@ -1,0 +1,177 @@
+"""Save and stop at a step boundary, every rank together; heartbeats; a wall-clock save cadence.
+
+What runs when, inside Composer's batch (callbacks run in list order; Composer appends its CheckpointSaver
+after the job's callbacks, and `StopAfterSave` is appended after that, train/loop/trainer.py):
+1. BATCH_END, `ResilienceMonitor`: writes this rank's heartbeat, then one all-reduce (MAX, over gloo in host
+   memory, so no host-device sync) of three flags:
+   a stop was asked for (a SIGTERM / SIGUSR1 reached this rank, or the supervisor's `stop` file exists), the
+   deadline has passed ($SD_DEADLINE, rank 0's clock), a wall-clock save is due (rank 0's clock). Per-rank
+   signal handlers only set a flag; the decision is the all-reduced one, so every rank saves the same step.
+2. BATCH_CHECKPOINT, Composer's CheckpointSaver: its save_interval is the monitor itself, true on the batch
+   interval (`save_interval`) or when step 1 decided to save.
+3. BATCH_CHECKPOINT, `StopAfterSave`: records what was saved (progress.json), and after a stop decision
+   records `resumable` and raises ResumableStop (the CLI exits 75; rerunning resumes from this step).
+After the first step the collectives' timeout drops from Composer's 300 s (which also covers start-up) to
+`resilience.collective_timeout_s`, so a stuck collective fails in minutes.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import signal
+import time
+from typing import Any
+
+import numpy as np
+import torch
+from composer.core import Callback, Event, State
+from composer.loggers import Logger
+from composer.utils import dist
+from composer.utils.misc import create_interval_scheduler
+
+from shared.launch import control
+from train.resilience.exits import ResumableStop, record_exit
+
+log = logging.getLogger(__name__)
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+# A failure drill: "RANK:BATCH" SIGKILLs that global rank right after it completes that batch, every time the
+# run passes it (rehearse the restart and crash-loop paths on a real cluster; the tests use it too).
+FAULT_DRILL_ENV = "SD_FAULT_DRILL"
+
+
+def fault_drill() -> tuple[int, int] | None:
+    value = os.environ.get(FAULT_DRILL_ENV)
+    if not value:
+        return None
+    rank, batch = value.split(":")
+    return int(rank), int(batch)
+
+
+class ResilienceMonitor(Callback):
+    """The step-boundary decision (see module doc); also the CheckpointSaver's save_interval."""
+
+    def __init__(self, save_interval: str, save_interval_minutes: float | None, collective_timeout_s: float):
+        self.batch_due = create_interval_scheduler(save_interval, include_end_of_training=True)
+        self.save_every_s = None if save_interval_minutes is None else save_interval_minutes * 60.0
+        self.collective_timeout_s = collective_timeout_s
+        self.folder = control.control_dir()
+        self.deadline = control.deadline()
+        self.signalled: str | None = None
+        self.save_now = False
+        self.stop_reason: str | None = None
+        self.last_save = time.monotonic()
+        self.tightened = False
+        self.drill = fault_drill()
+        # The flags live in host memory (numpy, viewed as a tensor for the all-reduce): reading them is no
+        # host-device sync, so the step stays free of them (tests/train/loop/test_step_syncs.py).
+        self.flags = np.zeros(3, dtype=np.int32)
+        self.flag_view = torch.from_numpy(self.flags)
+        self.group: Any = None
+
+    # ------------------------------------------------------------------------------------------ signals
+    def fit_start(self, state: State, logger: Logger) -> None:
+        # Replaces Composer's handler (sys.exit on SIGTERM, composer/core/engine.py): a signal only sets a
+        # flag, acted on at the step boundary by every rank at once.
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, self._on_signal)
+        self.last_save = time.monotonic()
+        self.group = flag_group()
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self.signalled = signal.Signals(signum).name
+
+    # ------------------------------------------------------------------------------------- the decision
+    def batch_end(self, state: State, logger: Logger) -> None:
+        batch = int(state.timestamp.batch)
+        if self.folder is not None:
+            control.write_heartbeat(self.folder, dist.get_global_rank(), batch)
+        if self.drill == (dist.get_global_rank(), batch):
+            log.warning("%s: killing rank %d after batch %d", FAULT_DRILL_ENV, *self.drill)
+            os.kill(os.getpid(), signal.SIGKILL)
+        stop_file = self.folder is not None and control.stop_requested(self.folder)
+        rank0 = dist.get_global_rank() == 0
+        clock_due = self.save_every_s is not None and time.monotonic() - self.last_save >= self.save_every_s
+        self.flags[:] = (
+            int(self.signalled is not None or stop_file),
+            int(rank0 and self.deadline is not None and time.time() >= self.deadline),
+            int(rank0 and clock_due),
+        )
+        if self.group is not None:
+            torch.distributed.all_reduce(self.flag_view, op=torch.distributed.ReduceOp.MAX, group=self.group)
+        asked, late, clock_save = (bool(v) for v in self.flags)
+        self.stop_reason = "a stop signal" if asked else "the deadline" if late else None
+        if self.stop_reason and self.signalled:
+            self.stop_reason = self.signalled
+        self.save_now = bool(self.stop_reason) or clock_save
+        if self.stop_reason:
+            log.warning("batch %d: saving and stopping (%s)", batch, self.stop_reason)
+        if not self.tightened:  # after this run's first step (start-up and checkpoint loading are done)
+            tighten_collective_timeout(self.collective_timeout_s)
+            self.tightened = True
+
+    def __call__(self, state: State, event: Event) -> bool:
+        """CheckpointSaver's schedule: the batch interval, or a save decided at this step's boundary."""
+        return bool(self.batch_due(state, event)) or (event == Event.BATCH_CHECKPOINT and self.save_now)
+
+
+class StopAfterSave(Callback):
+    """After Composer's CheckpointSaver: progress.json, and the stop itself (see module doc)."""
+
+    def __init__(self, monitor: ResilienceMonitor, saver: Any):
+        self.monitor, self.saver = monitor, saver
+
+    def batch_checkpoint(self, state: State, logger: Logger) -> None:
+        batch = int(state.timestamp.batch)
+        saved = self.saver is not None and self.saver.last_checkpoint_batch == state.timestamp.batch
+        checkpoint = self.saver.saved_checkpoints[-1] if saved and self.saver.saved_checkpoints else None
+        if saved:
+            self.monitor.last_save = time.monotonic()
+            folder = self.monitor.folder
+            if folder is not None and dist.get_global_rank() == 0:
+                control.write_json(
+                    folder / control.PROGRESS_FILE, {"saved_batch": batch, "checkpoint": checkpoint}
+                )
+        reason = self.monitor.stop_reason
+        if reason is None or at_end(state):  # the last step: saved, and the run ends by itself
+            return
+        stop = ResumableStop(batch, reason, checkpoint)
+        if dist.get_global_rank() == 0:
+            record_exit("resumable", batch, str(stop))
+        raise stop
+
+
+def at_end(state: State) -> bool:
+    duration = state.max_duration
+    return duration is not None and state.timestamp.get(duration.unit) >= duration
+
+
+def flag_group() -> Any:
+    """The process group the stop flags are all-reduced over: a host-memory (gloo) one. The default group
+    under gloo (CPU ranks); a gloo group beside NCCL on GPUs. None on a single process."""
+    tdist = torch.distributed
+    if not (tdist.is_available() and tdist.is_initialized()) or tdist.get_world_size() < 2:
+        return None
+    if tdist.get_backend() == "gloo":
+        return tdist.group.WORLD
+    return tdist.new_group(backend="gloo")  # every rank runs FIT_START, so every rank joins
+
+
+def tighten_collective_timeout(seconds: float) -> None:
+    """Collectives of the default group time out after `seconds` from now on (no-op on one process)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
+    try:
+        _set_pg_timeout(datetime.timedelta(seconds=seconds))
+    except (RuntimeError, ValueError, AttributeError) as err:  # a backend without per-group timeouts
+        log.warning("could not set the collective timeout to %g s: %s", seconds, err)
+
+
+def find_saver(callbacks: list[Any]) -> Any:
+    from composer.callbacks import CheckpointSaver
+
+    return next((cb for cb in callbacks if isinstance(cb, CheckpointSaver)), None)
