@@ -24,10 +24,12 @@ from train.checkpoints.files import (
     CHECKPOINT_FILENAME,
     LATEST_NAME,
 )
+from train.checkpoints.layouts import conform_optimizer_state
 from train.checkpoints.sharded import composer_loads_safely, fsdp_checkpoint_options
 from train.config import TrainConfig
 from train.data.loader import build_dataloader
 from train.data.packing import packed_data_spec
+from train.loop.cpu_fsdp import composer_fsdp_on_cpu
 from train.loop.prepare import RunContext, prepare_run
 from train.model.assemble import assemble_model, build_unet  # noqa: F401  (build_unet: re-exported for callers)
 from train.model.diffusion import DiffusionModel
@@ -240,8 +242,11 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
     )
     # Composer loads load_path inside Trainer(): safely (a checkpoint is data), in the format this run writes.
     checkpoint_format = cfg.resolved_checkpoint_format(ctx.batching.world_size)
-    with composer_loads_safely(ctx.start.load_path, checkpoint_format) as load_path:
-        return LeanTrainer(
+    with (
+        composer_loads_safely(ctx.start.load_path, checkpoint_format) as load_path,
+        composer_fsdp_on_cpu(ctx.device, cfg.fsdp),
+    ):
+        trainer = LeanTrainer(
             model=model,
             train_dataloader=packed_data_spec(dataloader),
             max_duration=cfg.max_duration,
@@ -272,6 +277,8 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
             seed=cfg.seed,
             compile_config=None,  # cfg.compile compiles the U-Net alone (train/model/assemble.py)
         )
+    conform_optimizer_state(trainer.state.optimizers)  # AdamW moments loaded in another layout
+    return trainer
 
 
 def fit(cfg: TrainConfig) -> Trainer:
