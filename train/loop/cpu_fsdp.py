@@ -5,14 +5,16 @@ already works on CPU (Composer builds its device mesh for its device name, "cpu"
 all-gathers and reduce-scatters; PyTorch's FSDP takes `device_id=torch.device("cpu")`):
 - Composer builds every FSDP unit with `device_id=torch.cuda.current_device()`
   (composer/distributed/dist_strategy.py `prepare_fsdp_module`), which raises on a host without CUDA. While
-  the Trainer is constructed (where Composer wraps the model, `State._apply_fsdp`) on a CPU run,
-  `torch.cuda.current_device` answers the CPU device. Any other caller in that window would have failed on
-  this host anyway.
-- Composer gathers full checkpoints with `cpu_offload=True`, and FSDP's `FlatParamHandle.to_cpu` moves the
-  gathered flat parameter to the CPU (`.to("cpu")`, a no-op when it is there already) and then frees the
-  gathered storage, which on CPU is the storage the parameters still view: every rank-0 full save
-  segfaults in `clone()` (torch/distributed/fsdp/_flat_param.py `to_cpu`; seen on 2 gloo ranks). Where the
-  flat parameter is already on the CPU there is nothing to offload, so `to_cpu` leaves it as it is.
+  the Trainer is constructed (where Composer wraps the model, `State._apply_fsdp`), `torch.cuda.current_device`
+  answers the CPU device. Any other caller in that window would have failed on this host anyway.
+- Composer gathers full state dicts with `StateDictOptions(cpu_offload=True)` (composer/core/state.py). On a
+  GPU that copies each gathered tensor out to host memory; on CPU the `.cpu()` is a no-op and FSDP then frees
+  or reuses the memory the "copy" still views. Seen on 2 gloo ranks: rank 0 segfaults in `clone()` at every
+  full-format save (`FlatParamHandle.to_cpu` frees the gathered flat parameter), and, with that avoided, the
+  full optimizer state holds `exp_avg_sq` in place of `exp_avg` for every parameter. With the model on the
+  CPU there is nothing to offload, so a CPU FSDP run gathers with `cpu_offload=False`
+  (`train/bench/ckpt.py` `no_cpu_offload` does the same for the bench). Installed for the rest of the
+  process, as checkpoints are saved during `fit`.
 GPU runs are untouched by both.
 """
 
@@ -23,28 +25,22 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.distributed.fsdp._flat_param import FlatParamHandle
+from composer.core import state as composer_state_module
+from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-_GPU_TO_CPU = FlatParamHandle.to_cpu
 
-
-@contextlib.contextmanager
-def _to_cpu_unless_there(handle: FlatParamHandle) -> Iterator[Any]:
-    if handle.flat_param.device.type == "cpu":
-        yield
-        return
-    with _GPU_TO_CPU(handle):
-        yield
+def _options_without_offload(**kwargs: Any) -> StateDictOptions:
+    return StateDictOptions(**{**kwargs, "cpu_offload": False})
 
 
 @contextlib.contextmanager
 def composer_fsdp_on_cpu(device: str, fsdp: bool) -> Iterator[None]:
-    """Around `Trainer(...)`: Composer's FSDP places units on the CPU on a CPU run with fsdp=true, and
-    (for the rest of the process) full-checkpoint gathers keep CPU flat parameters alive."""
+    """Around `Trainer(...)` of a CPU run with fsdp=true: Composer's FSDP places its units on the CPU, and
+    (from here on, in this process) gathers state dicts without the CPU "offload"."""
     if device != "cpu" or not fsdp:
         yield
         return
-    FlatParamHandle.to_cpu = _to_cpu_unless_there  # type: ignore[assignment,method-assign]
+    composer_state_module.StateDictOptions = _options_without_offload  # type: ignore[assignment,misc]
     original = torch.cuda.current_device
     torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment,return-value]
     try:
