@@ -123,7 +123,8 @@ def test_cpu_machine_resolves_auto_to_cpu_fp32() -> None:
     if torch.cuda.is_available():
         pytest.skip("checks the CPU-only resolution")
     cfg = load_config(TrainConfig, "sd2-base-256", kind="train")  # fsdp: true, precision: auto
-    with pytest.raises(ConfigError, match="fsdp=false"):
+    with pytest.raises(ConfigError, match="fsdp=false"):  # a GPU job on a host whose GPUs are not seen
         resolve_device(cfg)
+    assert resolve_device(load_config(TrainConfig, "sd2-base-256", ["device=cpu"], kind="train")) == "cpu"
     cpu = load_config(TrainConfig, "tiny", ["precision=auto"], kind="train")
     assert resolve_precision(cpu, resolve_device(cpu)) == "fp32"
