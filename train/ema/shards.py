@@ -69,8 +69,8 @@ def local_layout(model: torch.nn.Module) -> dict[str, tuple[list[int], int, int]
         for param, contiguous in zip(flat._params or [], flat._contiguities, strict=True):
             if not contiguous:
                 raise EMAStoreMismatchError(
-                    f"sharded EMA: FSDP holds {names[id(param)]} in a non-row-major memory order (channels_last "
-                    "weights), so its shard is not a row-major range; build the model as "
+                    f"sharded EMA: FSDP holds {names[id(param)]} in a non-row-major memory order "
+                    "(channels_last weights), so its shard is not a row-major range; build the model as "
                     "train/model/assemble.py does (weights NCHW under FSDP, inputs channels_last)"
                 )
         for param, shape, info in zip(flat._params or [], flat._shapes, flat._shard_param_infos, strict=True):

@@ -4,9 +4,10 @@ Two things in Composer 0.32.1 + torch 2.7 assume the compute device is a GPU; ev
 already works on CPU (Composer builds its device mesh for its device name, "cpu"; gloo carries FSDP's
 all-gathers and reduce-scatters; PyTorch's FSDP takes `device_id=torch.device("cpu")`):
 - Composer builds every FSDP unit with `device_id=torch.cuda.current_device()`
-  (composer/distributed/dist_strategy.py `prepare_fsdp_module`), which raises on a host without CUDA. While
-  the Trainer is constructed (where Composer wraps the model, `State._apply_fsdp`), `torch.cuda.current_device`
-  answers the CPU device. Any other caller in that window would have failed on this host anyway.
+  (composer/distributed/dist_strategy.py `prepare_fsdp_module`), which raises on a host without CUDA.
+  While the Trainer is constructed (where Composer wraps the model, `State._apply_fsdp`),
+  `torch.cuda.current_device` answers the CPU device. Any other caller in that window would have failed on
+  this host anyway.
 - Composer gathers full state dicts with `StateDictOptions(cpu_offload=True)` (composer/core/state.py). On a
   GPU that copies each gathered tensor out to host memory; on CPU the `.cpu()` is a no-op and FSDP then frees
   or reuses the memory the "copy" still views. Seen on 2 gloo ranks: rank 0 segfaults in `clone()` at every

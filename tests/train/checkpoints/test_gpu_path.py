@@ -28,13 +28,18 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.train.conftest import REPO_ROOT, single_threaded_torch, tiny_config, tiny_overrides, write_fake_dataset
+from tests.train.conftest import (
+    REPO_ROOT,
+    single_threaded_torch,
+    tiny_config,
+    tiny_overrides,
+    write_fake_dataset,
+)
 from train.checkpoints.files import LATEST_NAME
 from train.checkpoints.sharded import read_full_checkpoint
 from train.ema.algorithm import select_unet_weights
@@ -56,16 +61,15 @@ CONV_KERNELS = 20  # 4-D tensors per table in the tiny U-Net, at least
 
 def two_ranks(data: str, save: Path, max_batches: int, *extra: str) -> str:
     """`python -m train fit tiny` on 2 CPU ranks under torchrun; returns its log."""
-    overrides = tiny_overrides(data, save, save.parent / f"cache-{save.name}", f"max_duration={max_batches}ba")
+    cache = save.parent / f"cache-{save.name}"
+    overrides = tiny_overrides(data, save, cache, f"max_duration={max_batches}ba")
     argv = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1", "--nproc-per-node=2",
         "-m", "train", "fit", "tiny", *overrides, *SETTINGS, *extra,
     ]  # fmt: skip
     # torchrun does not set NODE_RANK, which Composer reads when it loads a checkpoint on several ranks.
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "NODE_RANK": "0"}
-    done = subprocess.run(
-        argv, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S
-    )
+    done = subprocess.run(argv, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     log = done.stdout + done.stderr
     assert done.returncode == 0, log[-4000:]
     return log

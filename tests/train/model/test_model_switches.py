@@ -43,7 +43,9 @@ def test_trainer_leaves_compilation_to_the_model(tiny_dataset: str, tmp_path: Pa
         trainer.close()
 
 
-def test_channels_last_is_on_for_gpu_by_default_and_anywhere_when_asked(tiny_dataset: str, tmp_path: Path) -> None:
+def test_channels_last_is_on_for_gpu_by_default_and_anywhere_when_asked(
+    tiny_dataset: str, tmp_path: Path
+) -> None:
     cfg = tiny_config(tiny_dataset, tmp_path / "save", tmp_path / "cache")
     assert cfg.channels_last is None and use_channels_last(cfg, "gpu") and not use_channels_last(cfg, "cpu")
     off = tiny_config(tiny_dataset, tmp_path / "save", tmp_path / "cache", "channels_last=false")
@@ -61,7 +63,8 @@ def test_channels_last_is_on_for_gpu_by_default_and_anywhere_when_asked(tiny_dat
 def test_fsdp_keeps_weights_nchw_and_feeds_nhwc_inputs(tiny_dataset: str, tmp_path: Path) -> None:
     """FSDP flattens parameters in memory order and torch 2.7 reads optimizer state back row-major: under
     FSDP the weights stay NCHW, the inputs go NHWC (train/model/assemble.py)."""
-    sharded = tiny_config(tiny_dataset, tmp_path / "save", tmp_path / "cache", "fsdp=true", "channels_last=true")
+    switches = ("fsdp=true", "channels_last=true")
+    sharded = tiny_config(tiny_dataset, tmp_path / "save", tmp_path / "cache", *switches)
     for device in ("gpu", "cpu"):
         model = assemble_model(sharded, device, 1.0, torch.zeros(77, 32))
         assert model.memory_format == torch.channels_last
