@@ -22,7 +22,7 @@ from shared.config import config_to_dict
 from shared.presets import get_preset
 from train.checkpoints.files import (
     CHECKPOINT_FILENAME,
-    LATEST_NAME,
+    LATEST_PATTERN,
 )
 from train.checkpoints.layouts import conform_optimizer_state
 from train.checkpoints.sharded import composer_loads_safely, fsdp_checkpoint_options
@@ -264,7 +264,7 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
             load_weights_only=ctx.start.weights_only,
             save_folder=cfg.save_folder,
             save_filename=CHECKPOINT_FILENAME,
-            save_latest_filename=LATEST_NAME,
+            save_latest_filename=LATEST_PATTERN,  # rank 0's is LATEST_NAME
             save_interval=cfg.save_interval,
             save_num_checkpoints_to_keep=composer_keep(cfg),
             # After a crash the dead attempt may have written checkpoints past the one we resume from.

@@ -72,6 +72,8 @@ from train.checkpoints.sharded import (
 )
 from train.config import ModelConfig, TrainConfig
 from train.ema.algorithm import build_ema
+from train.ema.names import EMAStoreMismatchError
+from train.ema.shards import local_layout
 from train.ema.store import NamedEMAStore, cloned_weights
 from train.loop.comm_counter import count_collectives
 from train.loop.trainer import parallelism_config
@@ -173,9 +175,20 @@ def optimizer_state_round_trip(channels_last: bool) -> float:
     return max(float((a - b).abs().max()) if a.numel() else 0.0 for a, b in zip(after, before, strict=True))
 
 
+def sharded_ema_refuses_nhwc_weights() -> bool:
+    """The sharded EMA labels shards as row-major flat ranges: NHWC weights are refused, not scrambled."""
+    wrapped = fsdp_wrap(nn.Sequential(nn.Conv2d(4, 8, 3)).to(memory_format=torch.channels_last))
+    try:
+        local_layout(wrapped)
+    except EMAStoreMismatchError as err:
+        return "non-row-major" in str(err)
+    return False
+
+
 def rank_main(rank: int, work: str) -> None:
     init_gloo(rank, RANKS, work)
     moved = {fmt: optimizer_state_round_trip(fmt == "nhwc") for fmt in ("nchw", "nhwc")}
+    moved["ema_refuses_nhwc"] = float(sharded_ema_refuses_nhwc_weights())
     (Path(work) / f"optim-round-trip-{rank}.json").write_text(json.dumps(moved))
     holder, unet = new_holder(offset=0.0)
     record = run_record(unet)
@@ -253,6 +266,7 @@ def test_torch_misloads_adamw_state_of_channels_last_weights_under_fsdp(sharded_
     for rank in range(RANKS):
         moved = json.loads((sharded_run.work / f"optim-round-trip-{rank}.json").read_text())
         assert moved["nchw"] == 0.0, moved
+        assert moved["ema_refuses_nhwc"] == 1.0, moved
     assert max(json.loads((sharded_run.work / f"optim-round-trip-{r}.json").read_text())["nhwc"]
                for r in range(RANKS)) > 1e-4  # fmt: skip
 
