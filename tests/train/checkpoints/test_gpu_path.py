@@ -155,6 +155,7 @@ class Runs:
             assert "autoresume: continuing from" in log
         else:
             one_rank(self.data, save, 8, *extra)
+        assert (save / LATEST_NAME).resolve() == checkpoint_at(save, 8).resolve()
         return save
 
 
@@ -166,6 +167,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
 def test_sharded_run_saves_what_the_uninterrupted_run_holds(runs: Runs) -> None:
     """Composer's FSDP on 2 CPU ranks, NHWC inputs: its sharded checkpoints consolidate to the reference."""
     assert "channels_last: NHWC inputs" in runs.sharded_log
+    # Every rank's saver removes the pointer and rank 0 remakes it: it must survive (autoresume reads it).
+    assert (runs.sharded / LATEST_NAME).resolve() == checkpoint_at(runs.sharded, 8).resolve()
     for batch in (4, 8):
         folder = checkpoint_at(runs.sharded, batch)
         assert folder.is_dir() and len(list(folder.glob("*.distcp"))) == 2, "not sharded over 2 ranks"
