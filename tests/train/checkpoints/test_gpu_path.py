@@ -85,7 +85,7 @@ def one_rank(data: str, save: Path, max_batches: int, *extra: str) -> None:
 
 def checkpoint_at(save: Path, batch: int) -> Path:
     """The batch's checkpoint: `ep*-ba{batch}-rank0.pt` (full) or the folder `ep*-ba{batch}` (sharded)."""
-    (found,) = [p for p in save.glob(f"ep*-ba{batch}*") if p.name.split("-")[1] in (f"ba{batch}",)]
+    (found,) = [p for p in save.glob(f"ep*-ba{batch}*") if p.name.split("-")[1] == f"ba{batch}"]
     return found
 
 
