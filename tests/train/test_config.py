@@ -76,11 +76,13 @@ def test_bad_configs_name_the_fix(override: str, message: str) -> None:
         load_config(TrainConfig, "tiny", [override], kind="train")
 
 
-def test_cpu_rejects_amp_and_fsdp() -> None:
+def test_cpu_rejects_amp_but_runs_fsdp_and_channels_last_when_asked() -> None:
     with pytest.raises(ConfigError, match="fp32"):
         load_config(TrainConfig, "tiny", ["device=cpu", "precision=amp_bf16"], kind="train")
-    with pytest.raises(ConfigError, match="GPU"):
-        load_config(TrainConfig, "tiny", ["device=cpu", "fsdp=true"], kind="train")
+    # The sharded path on CPU ranks over gloo (issue 22 item 1; tests/train/checkpoints/test_gpu_path.py).
+    cfg = load_config(TrainConfig, "tiny", ["device=cpu", "fsdp=true", "channels_last=true"], kind="train")
+    assert cfg.fsdp and cfg.channels_last
+    assert load_config(TrainConfig, "tiny", [], kind="train").channels_last is None  # auto: GPU only
 
 
 def test_zero_terminal_snr_with_v_prediction_is_fine() -> None:
@@ -121,7 +123,8 @@ def test_cpu_machine_resolves_auto_to_cpu_fp32() -> None:
     if torch.cuda.is_available():
         pytest.skip("checks the CPU-only resolution")
     cfg = load_config(TrainConfig, "sd2-base-256", kind="train")  # fsdp: true, precision: auto
-    with pytest.raises(ConfigError, match="fsdp=false"):
+    with pytest.raises(ConfigError, match="fsdp=false"):  # a GPU job on a host whose GPUs are not seen
         resolve_device(cfg)
+    assert resolve_device(load_config(TrainConfig, "sd2-base-256", ["device=cpu"], kind="train")) == "cpu"
     cpu = load_config(TrainConfig, "tiny", ["precision=auto"], kind="train")
     assert resolve_precision(cpu, resolve_device(cpu)) == "fp32"

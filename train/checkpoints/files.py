@@ -35,6 +35,11 @@ from composer.utils import checkpoint as composer_checkpoint
 from shared import storage
 
 LATEST_NAME = "latest-rank0.pt"
+# What Composer is told to name the pointer: per rank, as Composer's own default. Its CheckpointSaver removes
+# the pointer on every rank but (sharded) recreates it on rank 0 only, with no barrier between: with one
+# shared name a slower rank deleted the link rank 0 had just made (seen on 2 CPU ranks in 3 sharded runs of
+# 4), and autoresume then found no checkpoint. Only rank 0 writes a pointer; it is LATEST_NAME.
+LATEST_PATTERN = "latest-rank{rank}.pt"
 SYMLINK_SUFFIX = ".symlink"
 CHECKPOINT_FILENAME = "ep{epoch}-ba{batch}-rank{rank}.pt"
 CHECKPOINT_SUFFIX = ".pt"

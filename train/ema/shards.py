@@ -56,7 +56,9 @@ def flat_range_blocks(shape: list[int], start: int, stop: int) -> list[Block]:
 
 def local_layout(model: torch.nn.Module) -> dict[str, tuple[list[int], int, int]]:
     """clean name -> (full shape, start, stop) of the flat range of that parameter this rank holds, from
-    each FSDP unit's flat parameter (`_shapes`, `_shard_param_infos`)."""
+    each FSDP unit's flat parameter (`_shapes`, `_shard_param_infos`). FSDP flattens a parameter in memory
+    order, so a channels_last (NHWC) weight's range is not a row-major range of its logical shape: such a
+    parameter is refused rather than labelled wrong (the model keeps NCHW weights under FSDP)."""
     names = {id(p): clean_name(n) for n, p in model.named_parameters()}
     layout: dict[str, tuple[list[int], int, int]] = {}
     for module in model.modules():
@@ -64,6 +66,13 @@ def local_layout(model: torch.nn.Module) -> dict[str, tuple[list[int], int, int]
         if handle is None:
             continue
         flat = handle.flat_param
+        for param, contiguous in zip(flat._params or [], flat._contiguities, strict=True):
+            if not contiguous:
+                raise EMAStoreMismatchError(
+                    f"sharded EMA: FSDP holds {names[id(param)]} in a non-row-major memory order "
+                    "(channels_last weights), so its shard is not a row-major range; build the model as "
+                    "train/model/assemble.py does (weights NCHW under FSDP, inputs channels_last)"
+                )
         for param, shape, info in zip(flat._params or [], flat._shapes, flat._shard_param_infos, strict=True):
             start, end = info.intra_param_start_idx, info.intra_param_end_idx  # end inclusive
             held = info.in_shard and start is not None and end is not None

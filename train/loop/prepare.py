@@ -47,8 +47,13 @@ class RunContext:
 # ---------------------------------------------------------------------------------------- preparing
 def resolve_device(cfg: TrainConfig) -> str:
     device = resolve_device_kind(cfg.device)
-    if device == "cpu" and cfg.fsdp:
-        raise ConfigError("fsdp=true needs GPUs and none is visible; pass fsdp=false for a CPU run")
+    if device == "cpu" and cfg.fsdp and cfg.device != "cpu":  # a GPU job on a host whose GPUs are not seen
+        raise ConfigError(
+            "fsdp=true needs GPUs and none is visible; pass fsdp=false for a CPU run, or device=cpu to run "
+            "FSDP on CPU ranks over gloo (docs/gpu-path.md)"
+        )
+    if device == "cpu" and cfg.fsdp:  # asked for: the sharded path on CPU ranks (train/loop/cpu_fsdp.py)
+        log.info("fsdp=true on CPU: FSDP over gloo, as the tests run it; GPU runs shard the same way")
     return device
 
 

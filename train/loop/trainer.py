@@ -22,12 +22,14 @@ from shared.config import config_to_dict
 from shared.presets import get_preset
 from train.checkpoints.files import (
     CHECKPOINT_FILENAME,
-    LATEST_NAME,
+    LATEST_PATTERN,
 )
+from train.checkpoints.layouts import conform_optimizer_state
 from train.checkpoints.sharded import composer_loads_safely, fsdp_checkpoint_options
 from train.config import TrainConfig
 from train.data.loader import build_dataloader
 from train.data.packing import packed_data_spec
+from train.loop.cpu_fsdp import composer_fsdp_on_cpu
 from train.loop.prepare import RunContext, prepare_run
 from train.model.assemble import assemble_model, build_unet  # noqa: F401  (build_unet: re-exported for callers)
 from train.model.diffusion import DiffusionModel
@@ -256,7 +258,10 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
     monitor = ResilienceMonitor(
         cfg.save_interval, cfg.save_interval_minutes, cfg.resilience.collective_timeout_s
     )
-    with composer_loads_safely(ctx.start.load_path, checkpoint_format) as load_path:
+    with (
+        composer_loads_safely(ctx.start.load_path, checkpoint_format) as load_path,
+        composer_fsdp_on_cpu(ctx.device, cfg.fsdp),
+    ):
         trainer = LeanTrainer(
             model=model,
             train_dataloader=packed_data_spec(dataloader),
@@ -275,7 +280,7 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
             load_weights_only=ctx.start.weights_only,
             save_folder=cfg.save_folder,
             save_filename=CHECKPOINT_FILENAME,
-            save_latest_filename=LATEST_NAME,
+            save_latest_filename=LATEST_PATTERN,  # rank 0's is LATEST_NAME
             save_interval=monitor,
             save_num_checkpoints_to_keep=composer_keep(cfg),
             # After a crash the dead attempt may have written checkpoints past the one we resume from.
@@ -290,6 +295,7 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
             fsdp_no_sync=cfg.fsdp_no_sync,  # accumulation without per-microbatch collectives (step.py)
         )
     trainer.state.callbacks.append(StopAfterSave(monitor, trainer._checkpoint_saver))  # after the saver
+    conform_optimizer_state(trainer.state.optimizers)  # AdamW moments loaded in another layout
     return trainer
 
 

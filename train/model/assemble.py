@@ -2,9 +2,14 @@
 (train/bench/) both call `assemble_model`, so the bench measures exactly what training runs.
 
 Two switches shape it beyond the preset:
-- `channels_last` (GPU only): the U-Net's weights, and every input it is called with, in NHWC layout, the
-  layout cuDNN's convolution kernels run natively (NCHW inputs pay a transpose around each conv). On CPU the
-  model stays NCHW: CPU kernels gain nothing from it at these shapes.
+- `channels_last` (default: GPU only; `channels_last=true` asks for it on CPU too): every input the U-Net is
+  called with in NHWC layout, the layout cuDNN's convolution kernels run natively (NCHW inputs pay a
+  transpose around each conv), and, without FSDP, its weights too. Under FSDP the weights stay NCHW
+  (`weights_channels_last`): FSDP flattens a parameter in memory order, and torch 2.7's optimizer-state
+  loading (`_optim_utils.py`, `value.flatten()`) and the sharded EMA's shard labels read the flat parameter
+  row-major, so NHWC weights would come back from a checkpoint with every 4-D conv kernel's AdamW moments
+  (and EMA) permuted. A conv with an NHWC input still runs NHWC (`cudnn_conv_suggest_memory_format` looks at
+  input or weight), converting its weight on the fly.
 - `compile`: `torch.compile` of the U-Net alone (`nn.Module.compile`, in place). The per-sample objective
   around it is a handful of element-wise ops, not worth tracing, and compiling in place keeps every
   parameter name as it was (no `_orig_mod.` segment), so checkpoints, EMA and export do not depend on it.
@@ -12,6 +17,7 @@ Two switches shape it beyond the preset:
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 import torch
@@ -27,6 +33,8 @@ from train.model.online_text import OnlineText
 if TYPE_CHECKING:
     from diffusers import UNet2DConditionModel
 
+log = logging.getLogger(__name__)
+
 
 def is_fsdp_unit(module: torch.nn.Module) -> bool:
     """FSDP units: each transformer and ResNet block. Gathering one block's weights then overlaps the
@@ -36,8 +44,22 @@ def is_fsdp_unit(module: torch.nn.Module) -> bool:
 
 
 def use_channels_last(cfg: TrainConfig, device: str) -> bool:
-    """`channels_last` applies on GPU ("gpu", Composer's device name) only."""
-    return cfg.channels_last and device == "gpu"
+    """`channels_last` as asked, or (null) on GPU ("gpu", Composer's device name) only."""
+    if cfg.channels_last is None:
+        return device == "gpu"
+    return cfg.channels_last
+
+
+def weights_channels_last(cfg: TrainConfig, device: str) -> bool:
+    """NHWC weights only without FSDP: FSDP's flat parameters keep NCHW (module doc)."""
+    return use_channels_last(cfg, device) and not cfg.fsdp
+
+
+def log_layout(cfg: TrainConfig, device: str) -> None:
+    if cfg.channels_last is None and device != "gpu":
+        log.info("channels_last off on CPU (the default); channels_last=true runs the GPU layout here")
+    elif use_channels_last(cfg, device) and cfg.fsdp:
+        log.info("channels_last: NHWC inputs; weights stay NCHW in FSDP's flat parameters (docs/gpu-path.md)")
 
 
 def build_unet(cfg: TrainConfig) -> UNet2DConditionModel:
@@ -57,9 +79,9 @@ def assemble_model(
 ) -> DiffusionModel:
     """The U-Net (layout and compilation per `cfg` on `device`) with its objective, still on the host;
     `online_text`: the frozen text tower for text.store=tokens data (train/model/online_text.py)."""
-    channels_last = use_channels_last(cfg, device)
+    log_layout(cfg, device)
     unet = build_unet(cfg)
-    if channels_last:
+    if weights_channels_last(cfg, device):
         unet.to(memory_format=torch.channels_last)
     if cfg.compile:
         unet.compile()
@@ -67,4 +89,4 @@ def assemble_model(
     # on that child (the U-Net), not on the ComposerModel.
     unet.fsdp_wrap_fn = is_fsdp_unit
     objective = Objective(cfg.model, scale_factor, empty_caption, online_text)
-    return DiffusionModel(unet, objective, channels_last=channels_last)
+    return DiffusionModel(unet, objective, channels_last=use_channels_last(cfg, device))

@@ -156,7 +156,7 @@ class DiffusionModel(ComposerModel):
         super().__init__()
         self.unet = unet
         self.objective = objective
-        # The layout the U-Net's weights are in (train/model/assemble.py); its inputs are given the same one.
+        # The layout of the U-Net's inputs (and of its weights, except under FSDP: train/model/assemble.py).
         self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
 
     def denoise(self, latents: torch.Tensor, timesteps: torch.Tensor, text: torch.Tensor) -> torch.Tensor:

@@ -30,7 +30,11 @@ from composer.loggers import Logger
 from composer.utils import checkpoint as composer_checkpoint
 from torch import nn
 from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from torch.distributed.fsdp import FullyShardedDataParallel
 
@@ -68,6 +72,8 @@ from train.checkpoints.sharded import (
 )
 from train.config import ModelConfig, TrainConfig
 from train.ema.algorithm import build_ema
+from train.ema.names import EMAStoreMismatchError
+from train.ema.shards import local_layout
 from train.ema.store import NamedEMAStore, cloned_weights
 from train.loop.comm_counter import count_collectives
 from train.loop.trainer import parallelism_config
@@ -149,8 +155,41 @@ def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
         assert torch.equal(a[name], b[name]), name
 
 
+def optimizer_state_round_trip(channels_last: bool) -> float:
+    """AdamW moments of an FSDP conv model read out as a full state dict and loaded into the same model
+    (torch's own `get/set_optimizer_state_dict`, as Composer resumes): max abs change (collective)."""
+    torch.manual_seed(0)
+    conv = nn.Sequential(nn.Conv2d(4, 8, 3), nn.Conv2d(8, 6, 3))
+    if channels_last:
+        conv.to(memory_format=torch.channels_last)
+    holder = nn.Module()
+    holder.unet = fsdp_wrap(conv)
+    optimizer = torch.optim.AdamW(holder.parameters(), lr=1e-2)
+    holder.unet(torch.randn(2, 4, 9, 9)).square().mean().backward()
+    optimizer.step()
+    before = [t.clone() for state in optimizer.state.values() for t in state.values() if t.dim()]
+    options = StateDictOptions(full_state_dict=True, cpu_offload=False)
+    saved = get_optimizer_state_dict(holder, optimizer, options=options)
+    set_optimizer_state_dict(holder, optimizer, saved, options=options)
+    after = [t for state in optimizer.state.values() for t in state.values() if t.dim()]
+    return max(float((a - b).abs().max()) if a.numel() else 0.0 for a, b in zip(after, before, strict=True))
+
+
+def sharded_ema_refuses_nhwc_weights() -> bool:
+    """The sharded EMA labels shards as row-major flat ranges: NHWC weights are refused, not scrambled."""
+    wrapped = fsdp_wrap(nn.Sequential(nn.Conv2d(4, 8, 3)).to(memory_format=torch.channels_last))
+    try:
+        local_layout(wrapped)
+    except EMAStoreMismatchError as err:
+        return "non-row-major" in str(err)
+    return False
+
+
 def rank_main(rank: int, work: str) -> None:
     init_gloo(rank, RANKS, work)
+    moved = {fmt: optimizer_state_round_trip(fmt == "nhwc") for fmt in ("nchw", "nhwc")}
+    moved["ema_refuses_nhwc"] = float(sharded_ema_refuses_nhwc_weights())
+    (Path(work) / f"optim-round-trip-{rank}.json").write_text(json.dumps(moved))
     holder, unet = new_holder(offset=0.0)
     record = run_record(unet)
     holder.unet = fsdp_wrap(unet)
@@ -215,6 +254,21 @@ def test_sharded_checkpoint_is_composer_layout_written_by_every_rank_and_reshard
     ema = ema_of(sharded_run.expected)
     weights = {k.removeprefix("model/unet."): v for k, v in sharded_run.expected.items() if "model/" in k}
     assert any(not torch.equal(ema[k], weights[k]) for k in ema)  # the EMA is not the training weights
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_torch_misloads_adamw_state_of_channels_last_weights_under_fsdp(sharded_run: SimpleNamespace) -> None:
+    """Why the U-Net keeps NCHW weights under FSDP (train/model/assemble.py): torch 2.7 loads a channels_last
+    FSDP parameter's AdamW moments permuted (`_optim_utils.py` slices `value.flatten()` while the flat
+    parameter is in memory order), even saved and loaded in the same layout. If this starts failing, torch
+    fixed it and NHWC weights under FSDP can be reconsidered (docs/gpu-path.md)."""
+    for rank in range(RANKS):
+        moved = json.loads((sharded_run.work / f"optim-round-trip-{rank}.json").read_text())
+        assert moved["nchw"] == 0.0, moved
+        assert moved["ema_refuses_nhwc"] == 1.0, moved
+    assert max(json.loads((sharded_run.work / f"optim-round-trip-{r}.json").read_text())["nhwc"]
+               for r in range(RANKS)) > 1e-4  # fmt: skip
 
 
 def ema_bytes_by_shard_file(path: Path) -> dict[str, int]:

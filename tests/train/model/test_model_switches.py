@@ -43,16 +43,33 @@ def test_trainer_leaves_compilation_to_the_model(tiny_dataset: str, tmp_path: Pa
         trainer.close()
 
 
-def test_channels_last_is_a_gpu_only_train_switch(tiny_dataset: str, tmp_path: Path) -> None:
+def test_channels_last_is_on_for_gpu_by_default_and_anywhere_when_asked(
+    tiny_dataset: str, tmp_path: Path
+) -> None:
     cfg = tiny_config(tiny_dataset, tmp_path / "save", tmp_path / "cache")
-    assert cfg.channels_last and use_channels_last(cfg, "gpu") and not use_channels_last(cfg, "cpu")
+    assert cfg.channels_last is None and use_channels_last(cfg, "gpu") and not use_channels_last(cfg, "cpu")
     off = tiny_config(tiny_dataset, tmp_path / "save", tmp_path / "cache", "channels_last=false")
     assert not use_channels_last(off, "gpu")
+    on = tiny_config(tiny_dataset, tmp_path / "save", tmp_path / "cache", "channels_last=true")
+    assert use_channels_last(on, "cpu")  # the GPU layout on CPU ranks, for the tests (issue 22)
     empty = torch.zeros(77, 32)
     on_gpu = assemble_model(cfg, "gpu", 1.0, empty)  # built on the host: the layout is set before .to()
     assert conv_weight(on_gpu).is_contiguous(memory_format=torch.channels_last)
     assert on_gpu.memory_format == torch.channels_last
     assert conv_weight(assemble_model(cfg, "cpu", 1.0, empty)).is_contiguous()
+    assert assemble_model(on, "cpu", 1.0, empty).memory_format == torch.channels_last
+
+
+def test_fsdp_keeps_weights_nchw_and_feeds_nhwc_inputs(tiny_dataset: str, tmp_path: Path) -> None:
+    """FSDP flattens parameters in memory order and torch 2.7 reads optimizer state back row-major: under
+    FSDP the weights stay NCHW, the inputs go NHWC (train/model/assemble.py)."""
+    switches = ("fsdp=true", "channels_last=true")
+    sharded = tiny_config(tiny_dataset, tmp_path / "save", tmp_path / "cache", *switches)
+    for device in ("gpu", "cpu"):
+        model = assemble_model(sharded, device, 1.0, torch.zeros(77, 32))
+        assert model.memory_format == torch.channels_last
+        kernels = [p for p in model.unet.parameters() if p.dim() == 4]
+        assert kernels and all(p.is_contiguous() for p in kernels)
 
 
 def test_bench_builds_the_trainer_model(tiny_dataset: str, tmp_path: Path) -> None:
