@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import difflib
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -61,8 +62,46 @@ def load_config(
             raise ConfigError(f"{path} must hold a mapping at the top level, not {type(loaded).__name__}")
         raw = loaded
     for item in overrides:
+        check_override_key(cls, item)
         _apply_override(raw, item)
     return build_dataclass(cls, raw, where=where)
+
+
+def check_override_key(cls: type, item: str) -> None:
+    """Refuse a command-line key the config does not declare, blaming the command line (not the YAML file)
+    and suggesting the closest key; keys below a mapping-typed field (e.g. `per_gpu.256`) are free."""
+    if "=" not in item:
+        return  # _apply_override names the key=value form
+    parts = item.split("=", 1)[0].strip().split(".")
+    node: Any = cls
+    for depth, part in enumerate(parts):
+        if not dataclasses.is_dataclass(node):
+            return
+        fields = {f.name: f for f in dataclasses.fields(node) if f.init}
+        if part not in fields:
+            prefix = ".".join(parts[:depth])
+            raise ConfigError(f"command line: {unknown_key_message(prefix, [part], fields)}")
+        node = _dataclass_in(typing.get_type_hints(node)[part])
+
+
+def _dataclass_in(tp: Any) -> Any:
+    """The dataclass a field holds (also inside `X | None`), else the type itself."""
+    for option in typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else ():
+        if dataclasses.is_dataclass(option):
+            return option
+    return tp
+
+
+def unknown_key_message(prefix: str, keys: typing.Sequence[str], known: typing.Iterable[str]) -> str:
+    """`unknown key optimizer.lrr (did you mean optimizer.lr?); known keys in optimizer: betas, lr, ...`."""
+    known = sorted(known)
+    lead = f"{prefix}." if prefix else ""
+    named = []
+    for key in keys:
+        close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+        named.append(lead + key + (f" (did you mean {lead}{close[0]}?)" if close else ""))
+    section = f"in {prefix}" if prefix else "at the top level"
+    return f"unknown key{'s' if len(keys) > 1 else ''} {', '.join(named)}; known keys {section}: {', '.join(known)}"
 
 
 def _apply_override(raw: dict[str, Any], item: str) -> None:
@@ -87,8 +126,7 @@ def build_dataclass(cls: type[T], raw: Mapping[str, Any], where: str = "<mapping
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}  # type: ignore[arg-type]
     unknown = sorted(set(raw) - set(fields))
     if unknown:
-        names = ", ".join(prefix + k for k in unknown)
-        raise ConfigError(f"{where}: unknown key(s) {names}; known keys here: {', '.join(sorted(fields))}")
+        raise ConfigError(f"{where}: {unknown_key_message(prefix.rstrip('.'), unknown, fields)}")
     hints = typing.get_type_hints(cls)
     kwargs = {name: _coerce(hints[name], value, where, prefix + name) for name, value in raw.items()}
     try:

@@ -136,15 +136,35 @@ def test_unknown_top_level_key_is_named_with_the_known_ones(tmp_path: Path) -> N
     with pytest.raises(ConfigError) as info:
         load_config(Job, path)
     message = str(info.value)
-    assert str(path) in message and "unknown key(s) workrs" in message
-    assert "known keys here:" in message and "workers" in message
+    assert str(path) in message and "unknown key workrs (did you mean workers?)" in message
+    assert "known keys at the top level:" in message
 
 
 def test_unknown_nested_key_is_named_with_its_section() -> None:
-    with pytest.raises(ConfigError, match=r"unknown key\(s\) middle\.leaf\.deepth; known keys here: depth"):
+    with pytest.raises(
+        ConfigError, match=r"unknown key middle\.leaf\.deepth \(did you mean middle\.leaf\.depth\?\)"
+    ):
         load_config(Job, overrides=["middle.leaf.deepth=1"])
-    with pytest.raises(ConfigError, match=r"unknown key\(s\) inner\.sise"):
+    with pytest.raises(
+        ConfigError, match=r"unknown key inner\.sise \(did you mean inner\.size\?\); known keys in inner"
+    ):
         load_config(Job, {"inner": {"sise": 1}})
+
+
+def test_unknown_override_is_blamed_on_the_command_line_not_the_file(tmp_path: Path) -> None:
+    """`make train ARGS='lrr=1'` is the user's typo on the command line, not a fault of tiny.yaml."""
+    path = write_yaml(tmp_path, "workers: 3\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(Job, path, ["workrs=4"])
+    message = str(info.value)
+    assert message.startswith("command line: unknown key workrs (did you mean workers?)"), message
+    assert str(path) not in message
+
+
+def test_a_key_with_no_close_match_gets_no_suggestion() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(Job, overrides=["zzzzzz=1"])
+    assert "did you mean" not in str(info.value) and "unknown key zzzzzz;" in str(info.value)
 
 
 def test_section_given_a_scalar_is_rejected() -> None:

@@ -238,7 +238,7 @@ def test_overrides_reach_the_batch_split_and_every_rank(train_yaml: Path) -> Non
         (["--gpus", "16"], "2 nodes do not fit on this machine: use LAUNCHER=slurm"),
         (["--gpus", "4096", "--gpus-per-node", "4096"], "use GPUS="),
         (["--gpus", "8", "--launcher", "slurm", "--name", "Bad_Name"], "pass --name my-run"),
-        (["--gpus", "8", "--launcher", "slurm", "no_such_key=1"], "unknown key(s) no_such_key"),
+        (["--gpus", "8", "--launcher", "slurm", "no_such_key=1"], "command line: unknown key no_such_key"),
     ],
 )
 def test_impossible_requests_stop_with_the_fix(train_yaml: Path, args: list[str], message: str) -> None:
