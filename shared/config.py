@@ -101,7 +101,8 @@ def unknown_key_message(prefix: str, keys: typing.Sequence[str], known: typing.I
         close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
         named.append(lead + key + (f" (did you mean {lead}{close[0]}?)" if close else ""))
     section = f"in {prefix}" if prefix else "at the top level"
-    return f"unknown key{'s' if len(keys) > 1 else ''} {', '.join(named)}; known keys {section}: {', '.join(known)}"
+    plural = "s" if len(keys) > 1 else ""
+    return f"unknown key{plural} {', '.join(named)}; known keys {section}: {', '.join(known)}"
 
 
 def _apply_override(raw: dict[str, Any], item: str) -> None:

@@ -27,6 +27,7 @@ def _user_errors() -> tuple[type[Exception], ...]:
     from train.data.loader import DataError
     from train.ema.names import EMAStoreMismatchError
     from train.loop.guards import NonFiniteLossError
+    from train.loop.prepare import RunFinishedError
 
     return (
         ConfigError,
@@ -40,6 +41,7 @@ def _user_errors() -> tuple[type[Exception], ...]:
         TextLayerError,
         EMAStoreMismatchError,
         NonFiniteLossError,
+        RunFinishedError,
         FileNotFoundError,
     )
 
@@ -69,6 +71,15 @@ def fit(
         trainer = run_fit(cfg)
     except (*_user_errors(), DatasetChangedError) as err:
         _fail(err)
+    except ValueError as err:  # Composer's own finished-run check, for max_duration in epochs or samples
+        if "elapsed training duration" not in str(err):
+            raise
+        _fail(
+            ValueError(
+                f"the run in {cfg.save_folder} already reached max_duration={cfg.max_duration}: "
+                "raise max_duration to train it longer, or set save_folder=<a new folder>"
+            )
+        )
     typer.echo(f"done at {trainer.state.timestamp.batch.value} batches; checkpoints in {cfg.save_folder}")
 
 
