@@ -32,15 +32,17 @@ class ConfigError(ValueError):
 def resolve_job_file(name_or_path: str | Path, kind: str) -> Path:
     """Turn `laion400m` into `jobs/<kind>/laion400m.yaml`; pass real paths through."""
     candidate = Path(name_or_path)
+    known = ", ".join(sorted(p.stem for p in (JOBS_DIR / kind).glob("*.yaml")))
     if candidate.suffix in (".yaml", ".yml") or candidate.exists():
         if not candidate.exists():
-            raise ConfigError(f"config file {candidate} does not exist")
+            raise ConfigError(
+                f"config file {candidate} does not exist; or use a name in jobs/{kind}/: {known}"
+            )
         return candidate
     named = JOBS_DIR / kind / f"{name_or_path}.yaml"
     if named.exists():
         return named
-    known = sorted(p.stem for p in (JOBS_DIR / kind).glob("*.yaml"))
-    raise ConfigError(f"no config named {name_or_path!r} in {JOBS_DIR / kind}; known: {', '.join(known)}")
+    raise ConfigError(f"no config named {name_or_path!r} in {JOBS_DIR / kind}; known: {known}")
 
 
 def load_config(

@@ -3,11 +3,22 @@
 from __future__ import annotations
 
 import logging
+import shutil
 
 import typer
 
+HELP_WIDTH = shutil.get_terminal_size((120, 24)).columns  # COLUMNS, the terminal, or 120 when piped
 app = typer.Typer(
-    add_completion=False, no_args_is_help=True, help="Train the U-Net on encoded latents; export it."
+    add_completion=False,
+    no_args_is_help=True,
+    help="Train the U-Net on encoded latents; export it.",
+    # Plain click help: flags without `<bool>` type columns; 120 columns when piped (the terminal's own
+    # width otherwise), where rich's boxes cut long help at 80.
+    rich_markup_mode=None,
+    context_settings={
+        "terminal_width": HELP_WIDTH,
+        "max_content_width": 120,
+    },
 )
 
 

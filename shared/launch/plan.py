@@ -188,7 +188,8 @@ class LaunchPlan:
     steps: list[Step] = field(default_factory=list)
     batching: Batching | None = None  # train only
     finalize: str | None = None  # encode only: how the index merge runs once all ranks are done
-    estimate: str | None = None  # train only: time/cost line from the planner (shared/estimate)
+    estimate: str | None = None  # train only: time/cost of the run being launched (shared/estimate)
+    reference: list[str] = field(default_factory=list)  # train: another recipe's numbers, not this run's
     resources: RankResources | None = None  # per rank; None: the scheduler's defaults
     cluster: list[str] = field(default_factory=list)  # train only: communication / checkpoint lines
     notes: list[str] = field(default_factory=list)

@@ -58,3 +58,12 @@ def test_checkpoint_size_save_time_and_share() -> None:
     )
     at_512 = step_seconds(2048, 42.2, 256)  # 189.6 ms
     assert save_share(ckpt.sharded_save_s, 2500, at_512) == pytest.approx(0.000913, rel=1e-2)
+
+
+def test_tiny_preset_parameter_count_matches_its_unet() -> None:
+    """The dry run prices a tiny run's communication and checkpoint with this count."""
+    from shared.models import build_unet
+    from shared.presets import get_preset
+
+    unet = build_unet(get_preset("tiny"))
+    assert PRESET_PARAMS["tiny"] == sum(p.numel() for p in unet.parameters())

@@ -13,6 +13,7 @@ Rerunning is cheap: encode finds its output up to date and training resumes from
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import time
 from dataclasses import dataclass
@@ -103,7 +104,7 @@ def export_and_generate(paths: DemoPaths) -> None:
     from train.export.pipeline import export_pipeline
     from train.export.samples import save_grid
 
-    export_pipeline(str(paths.train), str(paths.pipeline))
+    result = export_pipeline(str(paths.train), str(paths.pipeline))
     # low_cpu_mem_usage=False: the tiny model needs no `accelerate` (not a dependency), and says so quietly
     pipe = StableDiffusionPipeline.from_pretrained(
         str(paths.pipeline), local_files_only=True, low_cpu_mem_usage=False
@@ -117,7 +118,10 @@ def export_and_generate(paths: DemoPaths) -> None:
         generator=generator,
         output_type="pt",
     ).images
-    save_grid((images * 255).round().to(torch.uint8), str(paths.samples), columns=IMAGES_PER_PROMPT)
+    step = re.search(r"-ba(\d+)", result.checkpoint)
+    title = f"{'step ' + step.group(1) + ', ' if step else ''}guidance {GUIDANCE:g}, {SAMPLE_STEPS} steps"
+    pixels = (images * 255).round().to(torch.uint8)
+    save_grid(pixels, str(paths.samples), IMAGES_PER_PROMPT, DEMO_PROMPTS, f"{title} ({result.weights})")
 
 
 def plot_loss(paths: DemoPaths) -> None:
