@@ -73,7 +73,7 @@ def check_override_key(cls: type, item: str) -> None:
     """Refuse a command-line key the config does not declare, blaming the command line (not the YAML file)
     and suggesting the closest key; keys below a mapping-typed field (e.g. `per_gpu.256`) are free."""
     if "=" not in item:
-        return  # _apply_override names the key=value form
+        raise ConfigError(f"override {item!r} must look like key=value (e.g. {example_override(cls)})")
     parts = item.split("=", 1)[0].strip().split(".")
     node: Any = cls
     for depth, part in enumerate(parts):
@@ -82,8 +82,43 @@ def check_override_key(cls: type, item: str) -> None:
         fields = {f.name: f for f in dataclasses.fields(node) if f.init}
         if part not in fields:
             prefix = ".".join(parts[:depth])
-            raise ConfigError(f"command line: {unknown_key_message(prefix, [part], fields)}")
+            message = unknown_key_message(prefix, [part], fields)
+            if "did you mean" not in message and (elsewhere := _close_nested_key(cls, part)):
+                message = message.replace(
+                    f"unknown key {part}", f"unknown key {part} (did you mean {elsewhere}?)"
+                )
+            raise ConfigError(f"command line: {message}")
         node = _dataclass_in(typing.get_type_hints(node)[part])
+
+
+def example_override(cls: type) -> str:
+    """`seed=17`-style example from the config's own first scalar field with a default."""
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        if (
+            f.init
+            and isinstance(f.default, (int, float, str))
+            and not isinstance(f.default, bool)
+            and f.default
+        ):
+            return f"{f.name}={f.default}"
+    return "section.key=value"
+
+
+def _close_nested_key(cls: type, key: str) -> str | None:
+    """The dotted key deeper in the config whose last part is closest to `key` (`lr` -> `optimizer.lr`)."""
+    paths = list(_dotted_keys(cls, ""))
+    close = difflib.get_close_matches(key, [p.rsplit(".", 1)[-1] for p in paths], n=1, cutoff=0.6)
+    return next((p for p in paths if p.rsplit(".", 1)[-1] == close[0]), None) if close else None
+
+
+def _dotted_keys(cls: Any, prefix: str) -> typing.Iterator[str]:
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        yield prefix + f.name
+        inner = _dataclass_in(typing.get_type_hints(cls)[f.name])
+        if dataclasses.is_dataclass(inner):
+            yield from _dotted_keys(inner, f"{prefix}{f.name}.")
 
 
 def _dataclass_in(tp: Any) -> Any:

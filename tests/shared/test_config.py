@@ -119,7 +119,7 @@ def test_override_value_forms() -> None:
 
 @pytest.mark.parametrize("bad", ["workers", "inner.size", "no-equals-here"])
 def test_override_without_equals_is_rejected(bad: str) -> None:
-    with pytest.raises(ConfigError, match=r"must look like key=value \(e\.g\. output\.uri=/tmp/out\)"):
+    with pytest.raises(ConfigError, match=r"must look like key=value \(e\.g\. name=job\)"):
         load_config(Job, overrides=[bad])
 
 
@@ -342,3 +342,16 @@ def test_each_job_kind_has_yamls(kind: str) -> None:
     """Keeps the parse test above from passing vacuously when a folder is empty or renamed."""
     assert isinstance(job_config_class(kind), type)
     assert list((JOBS_DIR / kind).glob("*.y*ml")), f"jobs/{kind}/ holds no YAML files"
+
+
+def test_a_top_level_typo_of_a_nested_key_suggests_the_dotted_key() -> None:
+    """`make train ARGS='lr=1e-4'`: lr lives in optimizer; the message names optimizer.lr."""
+    with pytest.raises(
+        ConfigError, match=r"^command line: unknown key depht \(did you mean middle\.leaf\.depth\?\)"
+    ):
+        load_config(Job, overrides=["depht=1"])
+
+
+def test_an_override_without_equals_gets_an_example_of_this_config() -> None:
+    with pytest.raises(ConfigError, match=r"override 'workers' must look like key=value \(e\.g\. name=job\)"):
+        load_config(Job, overrides=["workers"])
