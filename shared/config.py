@@ -66,7 +66,22 @@ def load_config(
     for item in overrides:
         check_override_key(cls, item)
         _apply_override(raw, item)
-    return build_dataclass(cls, raw, where=where)
+    try:
+        return build_dataclass(cls, raw, where=where)
+    except ConfigError as err:
+        raise _blame_command_line(err, where, [item.split("=", 1)[0].strip() for item in overrides]) from err
+
+
+def _blame_command_line(err: ConfigError, where: str, overridden: Sequence[str]) -> ConfigError:
+    """A bad value the command line gave (`gpus=abc`) is the command line's, not the YAML file's."""
+    message = str(err)
+    if not message.startswith(f"{where}: "):
+        return err
+    rest = message[len(where) + 2 :]
+    key = rest.split(" ", 1)[0]
+    if any(key == k or key.startswith((f"{k}.", f"{k}[")) for k in overridden):
+        return ConfigError(f"command line: {rest}")
+    return err
 
 
 def check_override_key(cls: type, item: str) -> None:

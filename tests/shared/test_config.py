@@ -355,3 +355,12 @@ def test_a_top_level_typo_of_a_nested_key_suggests_the_dotted_key() -> None:
 def test_an_override_without_equals_gets_an_example_of_this_config() -> None:
     with pytest.raises(ConfigError, match=r"override 'workers' must look like key=value \(e\.g\. name=job\)"):
         load_config(Job, overrides=["workers"])
+
+
+def test_a_bad_value_from_the_command_line_is_blamed_on_it(tmp_path: Path) -> None:
+    path = write_yaml(tmp_path, "workers: 3\n")
+    with pytest.raises(ConfigError, match=r"^command line: workers must be an integer, got 'abc'"):
+        load_config(Job, path, ["workers=abc"])
+    bad_file = write_yaml(tmp_path, "workers: abc\n")
+    with pytest.raises(ConfigError, match=rf"^{bad_file}: workers must be an integer"):
+        load_config(Job, bad_file, ["lr=0.1"])
