@@ -38,9 +38,11 @@ def test_every_next_command_after_the_demo_works_or_says_what_to_do(demo_run: De
 
     # make train: the demo's run is finished; one short message says how to train longer
     out = ran(run_make(cwd, "train"), code=2)
-    message = [line for line in out.splitlines() if line.strip() and "INFO" not in line]
-    assert "already finished" in message[-2] and "max_duration=1200ba" in message[-1], out[-2000:]
-    assert len(message[message.index(next(m for m in message if "already finished" in m)) :]) == 2
+    lines = out.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("error: "))
+    assert "already finished: its latest checkpoint is at 600ba" in lines[at], out[-2000:]
+    assert "make train ARGS='max_duration=1200ba'" in lines[at + 1] and not lines[at + 2 :], out[-2000:]
+    assert "leaked" not in out  # stopped before any Streaming dataset (and its shared memory) existed
 
     # make encode: the sample dataset is the demo's, already encoded
     assert "up to date" in ran(run_make(cwd, "encode"))
