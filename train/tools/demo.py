@@ -89,12 +89,16 @@ def encode_data(paths: DemoPaths, source: Path) -> None:
 
 def train_model(paths: DemoPaths, max_duration: str | None) -> None:
     from train.config import TrainConfig
+    from train.loop.prepare import RunFinishedError
     from train.loop.trainer import fit
 
     overrides = [f"data.uri={paths.encoded}", f"save_folder={paths.train}"]
     if max_duration:
         overrides.append(f"max_duration={max_duration}")
-    fit(load_config(TrainConfig, "tiny", overrides, kind="train"))
+    try:
+        fit(load_config(TrainConfig, "tiny", overrides, kind="train"))
+    except RunFinishedError:  # a rerun of the demo: its run is done, the rest is redone from it
+        print(f"training in {paths.train} already finished: reusing it (--fresh starts over)", flush=True)
 
 
 def export_and_generate(paths: DemoPaths) -> None:
