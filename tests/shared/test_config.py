@@ -304,7 +304,10 @@ def test_resolve_job_file_by_name_and_by_path(tmp_path: Path, monkeypatch: pytes
     assert resolve_job_file(str(own), "datasets") == own
     with pytest.raises(ConfigError, match=r"no config named 'laoin' in .*datasets; known: laion, sample"):
         resolve_job_file("laoin", "datasets")
-    with pytest.raises(ConfigError, match=r"config file .*missing\.yaml does not exist"):
+    with pytest.raises(
+        ConfigError,
+        match=r"config file .*missing\.yaml does not exist; or use a name in jobs/datasets/: laion, sample",
+    ):
         resolve_job_file(str(tmp_path / "missing.yaml"), "datasets")
 
 
