@@ -11,7 +11,7 @@ BENCH ?= quick
 ARGS ?=
 OUT ?= outputs
 
-# Launch knobs shared by `make train` and `make encode` (see README "Running on a cluster").
+# Launch knobs shared by `make train` and `make encode` (see docs/cluster.md).
 GPUS ?=
 LAUNCHER ?= local
 LAUNCH_FLAGS = --gpus $(or $(GPUS),1) --launcher $(LAUNCHER) $(if $(NODES),--nodes $(NODES)) \
