@@ -2,8 +2,10 @@
 
 Every job has one nested config dataclass. `load_config` builds it from a YAML file (or a name that resolves
 to one in `jobs/`), applies overrides such as `output.uri=s3://bucket/x` or `resolutions=[256,512]`, coerces
-values to the declared field types and rejects any key the dataclass does not declare, naming the key and
-the keys that exist. Cross-field rules live in each dataclass's `__post_init__`.
+values to the declared field types and rejects any key the dataclass does not declare, naming the key, the
+closest declared one ("did you mean optimizer.lr?") and the keys that exist. Errors name where the bad key or
+value came from: the YAML file, or `command line` for an override. Cross-field rules live in each
+dataclass's `__post_init__`.
 """
 
 from __future__ import annotations
