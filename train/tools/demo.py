@@ -171,6 +171,6 @@ def run_demo(out: Path, max_duration: str | None = None, fresh: bool = False) ->
     print(f"  encoded dataset  {paths.encoded}  (manifest.json, metrics.json, MDS shards per resolution)")
     print(f"  checkpoints      {paths.train}  (metrics.jsonl, logs/, samples/)")
     print(f"  diffusers model  {paths.pipeline}  (StableDiffusionPipeline.from_pretrained)")
-    print(f"  generated grid   {paths.samples}  (rows: {'; '.join(DEMO_PROMPTS)})")
+    print(f"  generated grid   {paths.samples}  (one labelled row per prompt: {'; '.join(DEMO_PROMPTS)})")
     print(f"  loss curve       {paths.loss}")
     return paths
