@@ -11,7 +11,7 @@ BENCH ?= quick
 ARGS ?=
 OUT ?= outputs
 
-# Launch knobs shared by `make train` and `make encode` (see README "Running on a cluster").
+# Launch knobs shared by `make train` and `make encode` (see docs/cluster.md).
 GPUS ?=
 LAUNCHER ?= local
 LAUNCH_FLAGS = --gpus $(or $(GPUS),1) --launcher $(LAUNCHER) $(if $(NODES),--nodes $(NODES)) \
@@ -63,8 +63,13 @@ encode-gc: $(STAMP)  ## make encode-gc DATASET=... [ARGS='--keep 2 --dry-run']: 
 train: $(STAMP)  ## make train [GPUS=256 NODES=.. LAUNCHER=local|slurm|k8s] CONFIG=<name|path.yaml> [ARGS='k=v ..'] [DRY_RUN=1]
 	$(if $(GPUS)$(DRY_RUN),$(BIN)/python -m train launch --config $(CONFIG) $(LAUNCH_FLAGS) $(ARGS),$(BIN)/python -m train fit $(CONFIG) $(ARGS))
 
-export: $(STAMP)  ## make export CHECKPOINT=<checkpoint .pt or save folder> OUT=<folder>
-	$(BIN)/python -m train export $(CHECKPOINT) $(OUT) $(ARGS)
+# `make export` alone exports the demo's run (what `make train` trains with CONFIG=tiny) to outputs/pipeline;
+# OUT given on the command line is the pipeline folder itself.
+CHECKPOINT ?= outputs/demo/train
+EXPORT_OUT = $(if $(filter file,$(origin OUT)),$(OUT)/pipeline,$(OUT))
+
+export: $(STAMP)  ## make export [CHECKPOINT=<checkpoint .pt or save folder>] [OUT=<folder>]; default: the demo's run
+	$(BIN)/python -m train export $(CHECKPOINT) $(EXPORT_OUT) $(ARGS)
 
 estimate: $(STAMP)  ## make estimate [ESTIMATE=sd2-base] ARGS='gpus=256 gpu.type=H100 throughput_from=outputs/bench/bench.json'
 	$(BIN)/python -m train estimate $(ESTIMATE) $(ARGS)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import sys
 import time
 from collections.abc import Iterator
@@ -19,8 +20,18 @@ from encode.sample_data import BUILDERS
 from encode.sample_data import build as build_sample_data
 from shared.config import ConfigError, load_config
 
+HELP_WIDTH = shutil.get_terminal_size((120, 24)).columns  # COLUMNS, the terminal, or 120 when piped
 app = typer.Typer(
-    add_completion=False, no_args_is_help=True, help="Encode images + captions into MDS latents."
+    add_completion=False,
+    no_args_is_help=True,
+    help="Encode images + captions into MDS latents.",
+    # Plain click help: flags without `<bool>` type columns; 120 columns when piped (the terminal's own
+    # width otherwise), where rich's boxes cut long help at 80.
+    rich_markup_mode=None,
+    context_settings={
+        "terminal_width": HELP_WIDTH,
+        "max_content_width": 120,
+    },
 )
 
 DATASET_HELP = "a name in jobs/datasets/ (e.g. sample, laion400m) or a path to a YAML file"

@@ -2,14 +2,17 @@
 
 Every job has one nested config dataclass. `load_config` builds it from a YAML file (or a name that resolves
 to one in `jobs/`), applies overrides such as `output.uri=s3://bucket/x` or `resolutions=[256,512]`, coerces
-values to the declared field types and rejects any key the dataclass does not declare, naming the key and
-the keys that exist. Cross-field rules live in each dataclass's `__post_init__`.
+values to the declared field types and rejects any key the dataclass does not declare, naming the key, the
+closest declared one ("did you mean optimizer.lr?") and the keys that exist. Errors name where the bad key or
+value came from: the YAML file, or `command line` for an override. Cross-field rules live in each
+dataclass's `__post_init__`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import difflib
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -31,15 +34,17 @@ class ConfigError(ValueError):
 def resolve_job_file(name_or_path: str | Path, kind: str) -> Path:
     """Turn `laion400m` into `jobs/<kind>/laion400m.yaml`; pass real paths through."""
     candidate = Path(name_or_path)
+    known = ", ".join(sorted(p.stem for p in (JOBS_DIR / kind).glob("*.yaml")))
     if candidate.suffix in (".yaml", ".yml") or candidate.exists():
         if not candidate.exists():
-            raise ConfigError(f"config file {candidate} does not exist")
+            raise ConfigError(
+                f"config file {candidate} does not exist; or use a name in jobs/{kind}/: {known}"
+            )
         return candidate
     named = JOBS_DIR / kind / f"{name_or_path}.yaml"
     if named.exists():
         return named
-    known = sorted(p.stem for p in (JOBS_DIR / kind).glob("*.yaml"))
-    raise ConfigError(f"no config named {name_or_path!r} in {JOBS_DIR / kind}; known: {', '.join(known)}")
+    raise ConfigError(f"no config named {name_or_path!r} in {JOBS_DIR / kind}; known: {known}")
 
 
 def load_config(
@@ -61,8 +66,97 @@ def load_config(
             raise ConfigError(f"{path} must hold a mapping at the top level, not {type(loaded).__name__}")
         raw = loaded
     for item in overrides:
+        check_override_key(cls, item)
         _apply_override(raw, item)
-    return build_dataclass(cls, raw, where=where)
+    try:
+        return build_dataclass(cls, raw, where=where)
+    except ConfigError as err:
+        raise _blame_command_line(err, where, [item.split("=", 1)[0].strip() for item in overrides]) from err
+
+
+def _blame_command_line(err: ConfigError, where: str, overridden: Sequence[str]) -> ConfigError:
+    """A bad value the command line gave (`gpus=abc`) is the command line's, not the YAML file's."""
+    message = str(err)
+    if not message.startswith(f"{where}: "):
+        return err
+    rest = message[len(where) + 2 :]
+    key = rest.split(" ", 1)[0]
+    if any(key == k or key.startswith((f"{k}.", f"{k}[")) for k in overridden):
+        return ConfigError(f"command line: {rest}")
+    return err
+
+
+def check_override_key(cls: type, item: str) -> None:
+    """Refuse a command-line key the config does not declare, blaming the command line (not the YAML file)
+    and suggesting the closest key; keys below a mapping-typed field (e.g. `per_gpu.256`) are free."""
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} must look like key=value (e.g. {example_override(cls)})")
+    parts = item.split("=", 1)[0].strip().split(".")
+    node: Any = cls
+    for depth, part in enumerate(parts):
+        if not dataclasses.is_dataclass(node):
+            return
+        fields = {f.name: f for f in dataclasses.fields(node) if f.init}
+        if part not in fields:
+            prefix = ".".join(parts[:depth])
+            message = unknown_key_message(prefix, [part], fields)
+            if "did you mean" not in message and (elsewhere := _close_nested_key(cls, part)):
+                message = message.replace(
+                    f"unknown key {part}", f"unknown key {part} (did you mean {elsewhere}?)"
+                )
+            raise ConfigError(f"command line: {message}")
+        node = _dataclass_in(typing.get_type_hints(node)[part])
+
+
+def example_override(cls: type) -> str:
+    """`seed=17`-style example from the config's own first scalar field with a default."""
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        if (
+            f.init
+            and isinstance(f.default, (int, float, str))
+            and not isinstance(f.default, bool)
+            and f.default
+        ):
+            return f"{f.name}={f.default}"
+    return "section.key=value"
+
+
+def _close_nested_key(cls: type, key: str) -> str | None:
+    """The dotted key deeper in the config whose last part is closest to `key` (`lr` -> `optimizer.lr`)."""
+    paths = list(_dotted_keys(cls, ""))
+    close = difflib.get_close_matches(key, [p.rsplit(".", 1)[-1] for p in paths], n=1, cutoff=0.6)
+    return next((p for p in paths if p.rsplit(".", 1)[-1] == close[0]), None) if close else None
+
+
+def _dotted_keys(cls: Any, prefix: str) -> typing.Iterator[str]:
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        yield prefix + f.name
+        inner = _dataclass_in(typing.get_type_hints(cls)[f.name])
+        if dataclasses.is_dataclass(inner):
+            yield from _dotted_keys(inner, f"{prefix}{f.name}.")
+
+
+def _dataclass_in(tp: Any) -> Any:
+    """The dataclass a field holds (also inside `X | None`), else the type itself."""
+    for option in typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else ():
+        if dataclasses.is_dataclass(option):
+            return option
+    return tp
+
+
+def unknown_key_message(prefix: str, keys: typing.Sequence[str], known: typing.Iterable[str]) -> str:
+    """`unknown key optimizer.lrr (did you mean optimizer.lr?); known keys in optimizer: betas, lr, ...`."""
+    known = sorted(known)
+    lead = f"{prefix}." if prefix else ""
+    named = []
+    for key in keys:
+        close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+        named.append(lead + key + (f" (did you mean {lead}{close[0]}?)" if close else ""))
+    section = f"in {prefix}" if prefix else "at the top level"
+    plural = "s" if len(keys) > 1 else ""
+    return f"unknown key{plural} {', '.join(named)}; known keys {section}: {', '.join(known)}"
 
 
 def _apply_override(raw: dict[str, Any], item: str) -> None:
@@ -87,8 +181,7 @@ def build_dataclass(cls: type[T], raw: Mapping[str, Any], where: str = "<mapping
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}  # type: ignore[arg-type]
     unknown = sorted(set(raw) - set(fields))
     if unknown:
-        names = ", ".join(prefix + k for k in unknown)
-        raise ConfigError(f"{where}: unknown key(s) {names}; known keys here: {', '.join(sorted(fields))}")
+        raise ConfigError(f"{where}: {unknown_key_message(prefix.rstrip('.'), unknown, fields)}")
     hints = typing.get_type_hints(cls)
     kwargs = {name: _coerce(hints[name], value, where, prefix + name) for name, value in raw.items()}
     try:

@@ -1,6 +1,6 @@
 """Model presets: the shapes of every network both stages build, declared once.
 
-`sd2-base` is Stable Diffusion 2 base (see the numbers in the README's "Model" section): its VAE, tokenizer
+`sd2-base` is Stable Diffusion 2 base (docs/train.md describes the model): its VAE, tokenizer
 and text encoder come from a diffusers-format folder or hub id (`pretrained`), its U-Net is built from the
 config below for pretraining. `tiny` uses the same classes at toy sizes, random-initialised from a fixed
 seed (identical on every machine for the pinned torch), so tests and the demo run on a laptop CPU.

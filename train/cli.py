@@ -4,13 +4,24 @@ over the library."""
 from __future__ import annotations
 
 import logging
+import shutil
 
 import typer
 
 from shared.launch.control import EXIT_RESUMABLE
 
+HELP_WIDTH = shutil.get_terminal_size((120, 24)).columns  # COLUMNS, the terminal, or 120 when piped
 app = typer.Typer(
-    add_completion=False, no_args_is_help=True, help="Train the U-Net on encoded latents; export it."
+    add_completion=False,
+    no_args_is_help=True,
+    help="Train the U-Net on encoded latents; export it.",
+    # Plain click help: flags without `<bool>` type columns; 120 columns when piped (the terminal's own
+    # width otherwise), where rich's boxes cut long help at 80.
+    rich_markup_mode=None,
+    context_settings={
+        "terminal_width": HELP_WIDTH,
+        "max_content_width": 120,
+    },
 )
 
 
@@ -30,6 +41,7 @@ def _user_errors() -> tuple[type[Exception], ...]:
     from train.data.loader import DataError
     from train.ema.names import EMAStoreMismatchError
     from train.loop.guards import NonFiniteLossError
+    from train.loop.prepare import RunFinishedError
 
     return (
         ConfigError,
@@ -43,6 +55,7 @@ def _user_errors() -> tuple[type[Exception], ...]:
         TextLayerError,
         EMAStoreMismatchError,
         NonFiniteLossError,
+        RunFinishedError,
         FileNotFoundError,
     )
 
@@ -78,6 +91,15 @@ def fit(
     except (*_user_errors(), DatasetChangedError) as err:
         record_fatal(err)  # the supervisor stops instead of restarting (shared/launch/supervisor.py)
         _fail(err)
+    except ValueError as err:  # Composer's own finished-run check, for max_duration in epochs or samples
+        if "elapsed training duration" not in str(err):
+            raise
+        _fail(
+            ValueError(
+                f"the run in {cfg.save_folder} already reached max_duration={cfg.max_duration}: "
+                "raise max_duration to train it longer, or set save_folder=<a new folder>"
+            )
+        )
     typer.echo(f"done at {trainer.state.timestamp.batch.value} batches; checkpoints in {cfg.save_folder}")
 
 

@@ -75,8 +75,12 @@ DEFAULT_GPU_TYPE = "A100-40GB"  # the planner's reference GPU (jobs/estimate/sd2
 # (SD2-base: 3.5 GB) and, with full-state-dict checkpoints, rank 0 gathers weights + EMA + AdamW state
 # (~14 GB) into host memory to save; with the CUDA runtime that is 24 GiB. Each Streaming data loader
 # worker is a Python + torch process with a few prefetched batches: 2 GiB.
-TRAIN_BASE_GB = 24
+# The tiny preset (0.8 M parameters) needs only the process itself: the demo's CPU training rank peaks at
+# ~1 GB resident (torch + Composer + Streaming); 4 GiB leaves room for a CUDA context. Presets not listed
+# here are planned at SD2-base's size.
+TRAIN_BASE_GB = {"sd2-base": 24, "tiny": 4}
 TRAIN_GB_PER_WORKER = 2
+REFERENCE_PRESET = "sd2-base"  # the preset whose throughput jobs/estimate/sd2-base.yaml holds
 
 
 def load_train_config(config: str, overrides: Sequence[str]) -> TrainConfig:
@@ -100,12 +104,18 @@ def plan_train(
     plan = LaunchPlan("train", config, options, topology, program)
     plan.supervision = supervision_of(cfg, topology, write_gb_per_s)
     plan.max_requeues = cfg.resilience.max_requeues
-    plan.resources = rank_resources(options, cfg.data.num_workers, TRAIN_BASE_GB, TRAIN_GB_PER_WORKER)
+    base_gb = TRAIN_BASE_GB.get(cfg.model.preset, TRAIN_BASE_GB[REFERENCE_PRESET])
+    plan.resources = rank_resources(options, cfg.data.num_workers, base_gb, TRAIN_GB_PER_WORKER)
     plan.steps = build_steps(plan, os.environ if environ is None else environ)  # checks this machine (local)
     plan.batching = derive_batching(cfg.global_batch_size, topology.world_size, cfg.device_microbatch_size)
-    plan.estimate = estimate_line(topology.world_size, gpu_type)
+    plan.estimate = run_estimate_line(cfg, topology.world_size, gpu_type)
+    plan.reference.append(estimate_line(topology.world_size, gpu_type))
     plan.cluster, notes = cluster_lines(cfg, topology, plan.batching, write_gb_per_s)
-    plan.cluster.append(dataset_text_store_line(topology.world_size, gpu_type, cfg.data.uri))
+    text_store = dataset_text_store_line(topology.world_size, gpu_type, cfg.data.uri)
+    if cfg.model.preset == REFERENCE_PRESET:
+        plan.cluster.append(text_store)
+    else:  # priced at SD2-base sizes and schedule: a reference for scale, not this run's storage
+        plan.reference.append(f"not this run: {text_store}")
     plan.notes += notes
     shape = run_shape(cfg, topology, write_gb_per_s)
     lead = exit_lead_s(cfg, shape.save_s)
@@ -218,13 +228,53 @@ def cluster_lines(
     return lines, notes
 
 
+def run_samples(cfg: TrainConfig) -> int | None:
+    """Training samples the run sees: max_duration in batches or samples; None for epochs (dataset-sized)."""
+    if cfg.max_duration.endswith("ba"):
+        return time_count(cfg.max_duration) * cfg.global_batch_size
+    if cfg.max_duration.endswith("sp"):
+        return time_count(cfg.max_duration)
+    return None
+
+
+def run_estimate_line(cfg: TrainConfig, gpus: int, gpu_type: str) -> str:
+    """Time and cost of the config being launched, where the planner has a throughput for its model."""
+    samples = run_samples(cfg)
+    what = f"this run: {cfg.max_duration}" + (f" = {samples:,} samples" if samples else "")
+    what += f" of the {cfg.model.preset} preset at {cfg.data.resolution} px"
+    if cfg.model.preset != REFERENCE_PRESET:
+        return (
+            f"{what}; no time or cost: the planner's throughput is {REFERENCE_PRESET}'s (make bench measures)"
+        )
+    if samples is None:
+        return f"{what}; no time or cost: give max_duration in batches (e.g. 550000ba) to price it"
+    phase = f"schedule=[{{name: this-run, resolution: {cfg.data.resolution}, samples: {samples}}}]"
+    try:
+        est = estimate_for_plan(gpus, gpu_type, overrides=[phase, "encode.samples=0"])
+    except (ConfigError, OSError) as err:
+        return f"{what}; unavailable ({err})"
+    return (
+        f"{what}: {gpus} x {gpu_type}: {wall_time(est.train_days)}, {est.train_gpu_hours:,.1f} GPU-hours, "
+        f"${est.train_dollars:,.0f} ({est.pricing_mode} ${est.price_per_gpu_hour:.2f}/GPU-hour; throughput "
+        "of jobs/estimate/sd2-base.yaml)"
+    )
+
+
+def wall_time(days: float) -> str:
+    """`3.21 days`, `5.4 hours` or `12 min`: a short run reads in its own unit, not as 0.00 days."""
+    if days >= 1:
+        return f"{days:.2f} days"
+    return f"{days * 24:.1f} hours" if days * 24 >= 1 else f"{days * 24 * 60:.0f} min"
+
+
 def estimate_line(gpus: int, gpu_type: str) -> str:
-    """The planner's one-line time/cost summary for the SD2 schedule (shared/estimate)."""
+    """The reference: the planner's summary of the full published SD2 schedule (shared/estimate), which is
+    not what a shorter or smaller config costs."""
     try:
         summary = estimate_for_plan(gpus, gpu_type).summary()
     except (ConfigError, OSError) as err:
         return f"unavailable ({err})"
-    return f"full SD2-base schedule (jobs/estimate/sd2-base.yaml): {summary}"
+    return f"not this run: the full SD2-base schedule (jobs/estimate/sd2-base.yaml) on {summary}"
 
 
 def launch_command(

@@ -21,7 +21,7 @@ _UNSAFE_ID_CHARS = re.compile(r"[^A-Za-z0-9_-]+")
 _PATTERN_CHARS = re.compile(r"[*?\[{]")
 MISSING_SHOWN = 10  # how many missing brace-range members an error message lists
 # Where jobs/datasets/sample.yaml expects the sample data `python -m encode sample-data` builds.
-SAMPLE_DATA_DIR = "outputs/sample-data"
+SAMPLE_DATA_DIR = "outputs/demo/sample-data"
 
 
 def list_partitions(cfg: SourceConfig) -> list[Partition]:

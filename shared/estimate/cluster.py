@@ -40,7 +40,7 @@ from typing import Literal
 
 # diffusers UNet2DConditionModel with the sd2-base preset's shapes (shared/presets.py), counted with
 # sum(p.numel() for p in unet.parameters()).
-PRESET_PARAMS = {"sd2-base": 865_910_724}
+PRESET_PARAMS = {"sd2-base": 865_910_724, "tiny": 792_964}
 # The best published SD2-base training throughput on A100s (MosaicML, "Training Stable Diffusion from
 # Scratch for <$50k", 2023): images/s per GPU by resolution, ~32 % MFU.
 PUBLISHED_IMAGES_PER_S_PER_A100 = {256: 184.6, 512: 42.2}

@@ -58,8 +58,10 @@ class Topology:
 
 def derive_topology(gpus: int, nodes: int | None = None, gpus_per_node: int | None = None) -> Topology:
     """E.g. 256 GPUs -> 32 nodes x 8; 4 GPUs -> 1 node x 4; 16 GPUs with nodes=4 -> 4 nodes x 4."""
-    if gpus < 1 or (nodes is not None and nodes < 1) or (gpus_per_node is not None and gpus_per_node < 1):
-        raise LaunchError(f"GPUS={gpus}, NODES={nodes} and GPUS_PER_NODE={gpus_per_node} must be >= 1")
+    given = {"GPUS": gpus, "NODES": nodes, "GPUS_PER_NODE": gpus_per_node}
+    bad = [f"{name}={value}" for name, value in given.items() if value is not None and value < 1]
+    if bad:  # name only what the user gave: a NODES=None they never typed reads as a bug
+        raise LaunchError(f"{', '.join(bad)}: must be >= 1 (e.g. GPUS=1 for one rank on this machine)")
     if nodes is not None:
         if gpus % nodes:
             raise LaunchError(f"GPUS={gpus} does not split evenly over NODES={nodes}; use a multiple of it")
@@ -187,7 +189,8 @@ class LaunchPlan:
     steps: list[Step] = field(default_factory=list)
     batching: Batching | None = None  # train only
     finalize: str | None = None  # encode only: how the index merge runs once all ranks are done
-    estimate: str | None = None  # train only: time/cost line from the planner (shared/estimate)
+    estimate: str | None = None  # train only: time/cost of the run being launched (shared/estimate)
+    reference: list[str] = field(default_factory=list)  # train: another recipe's numbers, not this run's
     resources: RankResources | None = None  # per rank; None: the scheduler's defaults
     cluster: list[str] = field(default_factory=list)  # train only: communication / checkpoint lines
     notes: list[str] = field(default_factory=list)

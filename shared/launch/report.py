@@ -33,6 +33,7 @@ def summarize(plan: LaunchPlan) -> str:
         rows.append(("finalize", plan.finalize))
     if plan.estimate:
         rows.append(("estimate", plan.estimate))
+    rows += [("reference", line) for line in plan.reference]
     rows += [("note", note) for note in plan.notes]
     width = max(len(key) for key, _ in rows)
     lines = [f"launch plan: {plan.job} {plan.target} ({plan.name})"]

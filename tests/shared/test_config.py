@@ -119,7 +119,7 @@ def test_override_value_forms() -> None:
 
 @pytest.mark.parametrize("bad", ["workers", "inner.size", "no-equals-here"])
 def test_override_without_equals_is_rejected(bad: str) -> None:
-    with pytest.raises(ConfigError, match=r"must look like key=value \(e\.g\. output\.uri=/tmp/out\)"):
+    with pytest.raises(ConfigError, match=r"must look like key=value \(e\.g\. name=job\)"):
         load_config(Job, overrides=[bad])
 
 
@@ -136,15 +136,35 @@ def test_unknown_top_level_key_is_named_with_the_known_ones(tmp_path: Path) -> N
     with pytest.raises(ConfigError) as info:
         load_config(Job, path)
     message = str(info.value)
-    assert str(path) in message and "unknown key(s) workrs" in message
-    assert "known keys here:" in message and "workers" in message
+    assert str(path) in message and "unknown key workrs (did you mean workers?)" in message
+    assert "known keys at the top level:" in message
 
 
 def test_unknown_nested_key_is_named_with_its_section() -> None:
-    with pytest.raises(ConfigError, match=r"unknown key\(s\) middle\.leaf\.deepth; known keys here: depth"):
+    with pytest.raises(
+        ConfigError, match=r"unknown key middle\.leaf\.deepth \(did you mean middle\.leaf\.depth\?\)"
+    ):
         load_config(Job, overrides=["middle.leaf.deepth=1"])
-    with pytest.raises(ConfigError, match=r"unknown key\(s\) inner\.sise"):
+    with pytest.raises(
+        ConfigError, match=r"unknown key inner\.sise \(did you mean inner\.size\?\); known keys in inner"
+    ):
         load_config(Job, {"inner": {"sise": 1}})
+
+
+def test_unknown_override_is_blamed_on_the_command_line_not_the_file(tmp_path: Path) -> None:
+    """`make train ARGS='lrr=1'` is the user's typo on the command line, not a fault of tiny.yaml."""
+    path = write_yaml(tmp_path, "workers: 3\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(Job, path, ["workrs=4"])
+    message = str(info.value)
+    assert message.startswith("command line: unknown key workrs (did you mean workers?)"), message
+    assert str(path) not in message
+
+
+def test_a_key_with_no_close_match_gets_no_suggestion() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(Job, overrides=["zzzzzz=1"])
+    assert "did you mean" not in str(info.value) and "unknown key zzzzzz;" in str(info.value)
 
 
 def test_section_given_a_scalar_is_rejected() -> None:
@@ -284,7 +304,10 @@ def test_resolve_job_file_by_name_and_by_path(tmp_path: Path, monkeypatch: pytes
     assert resolve_job_file(str(own), "datasets") == own
     with pytest.raises(ConfigError, match=r"no config named 'laoin' in .*datasets; known: laion, sample"):
         resolve_job_file("laoin", "datasets")
-    with pytest.raises(ConfigError, match=r"config file .*missing\.yaml does not exist"):
+    with pytest.raises(
+        ConfigError,
+        match=r"config file .*missing\.yaml does not exist; or use a name in jobs/datasets/: laion, sample",
+    ):
         resolve_job_file(str(tmp_path / "missing.yaml"), "datasets")
 
 
@@ -322,3 +345,25 @@ def test_each_job_kind_has_yamls(kind: str) -> None:
     """Keeps the parse test above from passing vacuously when a folder is empty or renamed."""
     assert isinstance(job_config_class(kind), type)
     assert list((JOBS_DIR / kind).glob("*.y*ml")), f"jobs/{kind}/ holds no YAML files"
+
+
+def test_a_top_level_typo_of_a_nested_key_suggests_the_dotted_key() -> None:
+    """`make train ARGS='lr=1e-4'`: lr lives in optimizer; the message names optimizer.lr."""
+    with pytest.raises(
+        ConfigError, match=r"^command line: unknown key depht \(did you mean middle\.leaf\.depth\?\)"
+    ):
+        load_config(Job, overrides=["depht=1"])
+
+
+def test_an_override_without_equals_gets_an_example_of_this_config() -> None:
+    with pytest.raises(ConfigError, match=r"override 'workers' must look like key=value \(e\.g\. name=job\)"):
+        load_config(Job, overrides=["workers"])
+
+
+def test_a_bad_value_from_the_command_line_is_blamed_on_it(tmp_path: Path) -> None:
+    path = write_yaml(tmp_path, "workers: 3\n")
+    with pytest.raises(ConfigError, match=r"^command line: workers must be an integer, got 'abc'"):
+        load_config(Job, path, ["workers=abc"])
+    bad_file = write_yaml(tmp_path, "workers: abc\n")
+    with pytest.raises(ConfigError, match=rf"^{bad_file}: workers must be an integer"):
+        load_config(Job, bad_file, ["lr=0.1"])

@@ -67,3 +67,12 @@ def test_no_sync_communicates_once_per_step_under_shard_grad_op() -> None:
     full = step_comm(P, 8, 4, "FULL_SHARD", 2, 4, no_sync=True)  # re-gathers, reduces once
     assert (full.all_gathers, full.reduce_scatters) == (8, 1)
     assert step_comm(P, 8, 4, "NO_SHARD", 2, 4, no_sync=True).all_reduces == 1
+
+
+def test_tiny_preset_parameter_count_matches_its_unet() -> None:
+    """The dry run prices a tiny run's communication and checkpoint with this count."""
+    from shared.models import build_unet
+    from shared.presets import get_preset
+
+    unet = build_unet(get_preset("tiny"))
+    assert PRESET_PARAMS["tiny"] == sum(p.numel() for p in unet.parameters())

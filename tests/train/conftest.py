@@ -14,6 +14,7 @@ import contextlib
 import functools
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -238,3 +239,46 @@ def tiny_run(tiny_dataset: str, tmp_path_factory: pytest.TempPathFactory) -> Tin
     )  # fmt: skip
     with single_threaded_torch():
         return TinyRun(cfg, fit(cfg))
+
+
+# ------------------------------------------------------------------------------------ the newcomer's path
+def make_command(target: str, *variables: str) -> list[str]:
+    """The command `make <target> VAR=...` runs, read from the Makefile itself (`make -n`), with this
+    interpreter's bin folder as the venv's (the .venv bootstrap stamp is taken as done)."""
+    bin_dir = str(Path(PYTHON).parent)
+    dry = subprocess.run(
+        ["make", "-s", "-n", "-C", str(REPO_ROOT), "-o", ".venv/.installed-stamp", f"BIN={bin_dir}",
+         target, *variables],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    lines = [line for line in dry.stdout.splitlines() if line.strip()]
+    assert len(lines) == 1, f"make -n {target} printed {lines}"
+    return shlex.split(lines[0])
+
+
+def run_make(cwd: Path, target: str, *variables: str, timeout: float = 900) -> subprocess.CompletedProcess:
+    """Run what `make <target>` runs, in `cwd` (its relative outputs/ land there), stdout + stderr merged."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    return subprocess.run(
+        make_command(target, *variables), cwd=cwd, env=env, timeout=timeout,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+
+
+class DemoRun:
+    """`make demo` run once in a fresh folder: the folder, the demo's output root and what it printed."""
+
+    def __init__(self, cwd: Path, output: str):
+        self.cwd = cwd
+        self.root = cwd / "outputs" / "demo"
+        self.output = output
+
+
+@pytest.fixture(scope="session")
+def demo_run(tmp_path_factory: pytest.TempPathFactory) -> DemoRun:
+    """The real `make demo` command (the full 600-step tiny run, 2-3 CPU minutes alone) in a fresh folder,
+    shared by the learning test and the newcomer-path test."""
+    cwd = tmp_path_factory.mktemp("newcomer")
+    result = run_make(cwd, "demo")
+    assert result.returncode == 0, result.stdout[-3000:]
+    return DemoRun(cwd, result.stdout)

@@ -32,6 +32,7 @@ from shared.launch.plan import (
     job_name,
     local_torchrun,
 )
+from shared.launch.report import summarize
 from shared.launch.specs import (
     ENV_FILE,
     SLURM_NODES,
@@ -196,7 +197,33 @@ def test_dry_run_prints_layout_batching_command_and_estimate(train_yaml: Path) -
     assert f"python -m train fit {train_yaml}" in out
     assert "$ sbatch --parsable < sd-train-sd2-test.sbatch" in out
     assert "#SBATCH --nodes=32" in out  # the whole rendered script is shown
-    assert re.search(r"estimate .*256 x A100-40GB: [\d.]+ days", out)
+    # max_duration 1ep: the run's samples depend on the dataset, so only the reference is priced
+    assert "estimate         this run: 1ep of the sd2-base preset at 256 px; no time or cost" in out
+    assert re.search(
+        r"reference .*not this run: the full SD2-base schedule.*256 x A100-40GB: [\d.]+ days", out
+    )
+
+
+def test_dry_run_prices_the_run_being_launched_apart_from_the_reference(train_yaml: Path) -> None:
+    """1000 batches of 2048 on 256 GPUs is a fraction of the published schedule, and says so."""
+    plan = plan_train(str(train_yaml), ["max_duration=1000ba"], LaunchOptions(256, "slurm"))
+    assert plan.estimate is not None and plan.estimate.startswith(
+        "this run: 1000ba = 2,048,000 samples of the sd2-base preset at 256 px: 256 x A100-40GB: "
+    )
+    hours = [float(re.search(r"([\d,.]+) GPU-hours", line).group(1).replace(",", "")) for line in
+             (plan.estimate, plan.reference[0])]  # fmt: skip
+    assert 0 < hours[0] < hours[1] / 100  # 2 M of the schedule's 2.9 B samples
+    assert " min, " in plan.estimate  # a short run reads in minutes, not as 0.00 days
+
+
+def test_tiny_dry_run_shows_tiny_numbers_and_sets_sd2_numbers_apart(tmp_path: Path) -> None:
+    """`make train GPUS=2 DRY_RUN=1` after the demo: tiny memory and checkpoint; SD2 figures as reference."""
+    out = summarize(plan_train("tiny", [f"save_folder={tmp_path}"], LaunchOptions(2, "local")))
+    assert "1 CPU, 4 GiB memory" in out and "checkpoint 0.01 GB" in out
+    assert "this run: 600ba = 19,200 samples of the tiny preset at 64 px; no time or cost" in out
+    references = [line for line in out.splitlines() if "reference" in line]
+    assert len(references) == 2 and all("not this run:" in line for line in references)
+    assert not any("days" in line or "$" in line for line in out.splitlines() if "reference" not in line)
 
 
 def test_launch_command_registers_on_the_train_cli(train_yaml: Path) -> None:
@@ -238,7 +265,7 @@ def test_overrides_reach_the_batch_split_and_every_rank(train_yaml: Path) -> Non
         (["--gpus", "16"], "2 nodes do not fit on this machine: use LAUNCHER=slurm"),
         (["--gpus", "4096", "--gpus-per-node", "4096"], "use GPUS="),
         (["--gpus", "8", "--launcher", "slurm", "--name", "Bad_Name"], "pass --name my-run"),
-        (["--gpus", "8", "--launcher", "slurm", "no_such_key=1"], "unknown key(s) no_such_key"),
+        (["--gpus", "8", "--launcher", "slurm", "no_such_key=1"], "command line: unknown key no_such_key"),
     ],
 )
 def test_impossible_requests_stop_with_the_fix(train_yaml: Path, args: list[str], message: str) -> None:

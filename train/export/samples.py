@@ -18,7 +18,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -85,18 +85,63 @@ def decode_images(vae: Any, latents: torch.Tensor, scale_factor: float) -> torch
     return ((images.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).cpu()
 
 
-def save_grid(images: torch.Tensor, path: str, columns: int) -> None:
-    """A PNG grid, one row per prompt."""
-    from PIL import Image
+def save_grid(
+    images: torch.Tensor, path: str, columns: int, labels: Sequence[str] = (), title: str = ""
+) -> None:
+    """A PNG grid, one row per prompt; `labels[i]` is written above row i and `title` (step, guidance,
+    sampler) across the top, so a grid read alone says what it shows."""
+    from PIL import Image, ImageDraw
 
     count, _, height, width = images.shape
     rows = (count + columns - 1) // columns
-    grid = Image.new("RGB", (columns * width, rows * height))
+    font = _label_font()
+    line = _text_height(font) + 2 * LABEL_PAD
+    grid_width = columns * width
+    title_lines = _wrap(title, font, grid_width)
+    row_lines = [_wrap(labels[r] if r < len(labels) else "", font, grid_width) for r in range(rows)]
+    top = len(title_lines) * line
+    offsets = [top + sum(len(lines) * line + height for lines in row_lines[:r]) for r in range(rows + 1)]
+    grid = Image.new("RGB", (grid_width, offsets[-1]), LABEL_BACKGROUND)
+    draw = ImageDraw.Draw(grid)
+    draw.rectangle((0, 0, grid_width, top), fill=TITLE_BACKGROUND)
+    for i, text in enumerate(title_lines):
+        draw.text((LABEL_PAD, i * line + LABEL_PAD), text, fill=LABEL_COLOUR, font=font)
+    for r, lines in enumerate(row_lines):
+        for i, text in enumerate(lines):
+            draw.text((LABEL_PAD, offsets[r] + i * line + LABEL_PAD), text, fill=LABEL_COLOUR, font=font)
     for i, image in enumerate(images):
+        row = i // columns
         tile = Image.fromarray(image.permute(1, 2, 0).numpy())
-        grid.paste(tile, ((i % columns) * width, (i // columns) * height))
-    os.makedirs(os.path.dirname(path), exist_ok=True)
+        grid.paste(tile, ((i % columns) * width, offsets[row] + len(row_lines[row]) * line))
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     grid.save(path)
+
+
+LABEL_PAD = 2  # px around each line of label text
+LABEL_BACKGROUND, LABEL_COLOUR, TITLE_BACKGROUND = (255, 255, 255), (0, 0, 0), (220, 220, 220)
+
+
+def _label_font() -> Any:
+    from PIL import ImageFont
+
+    return ImageFont.load_default()  # Pillow's bundled font: no font file needed on any machine
+
+
+def _text_height(font: Any) -> int:
+    _, top, _, bottom = font.getbbox("Ag")
+    return int(bottom - top) + 2
+
+
+def _wrap(text: str, font: Any, width: int) -> list[str]:
+    """Greedy word wrap to `width` px (a word longer than a line gets a line of its own)."""
+    lines: list[str] = []
+    for word in text.split():
+        candidate = f"{lines[-1]} {word}" if lines else word
+        if lines and font.getlength(candidate) + 2 * LABEL_PAD <= width:
+            lines[-1] = candidate
+        else:
+            lines.append(word)
+    return lines
 
 
 class SampleRenderer(Callback):
@@ -164,7 +209,16 @@ class SampleRenderer(Callback):
         images = decode_images(self.vae, latents.float(), self.scale_factor)
         if dist.get_global_rank() == 0:
             path = os.path.join(self.out_dir, f"ba{int(state.timestamp.batch):08d}.png")
-            save_grid(images, path, columns=self.cfg.images_per_prompt)
+            caption = (
+                f"step {int(state.timestamp.batch)}, guidance {self.cfg.guidance_scale:g}, {self.cfg.sampler}"
+            )
+            save_grid(
+                images,
+                path,
+                self.cfg.images_per_prompt,
+                self.cfg.prompts,
+                f"{caption} {self.cfg.steps} steps",
+            )
             log.info("wrote sample grid %s", path)
 
     def _sample(self, state: State, device: torch.device) -> torch.Tensor:

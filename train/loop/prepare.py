@@ -5,6 +5,7 @@ batching, the dataset manifest and its contract, the pinned version, where train
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass
 
 from shared.batching import Batching, derive_batching
@@ -16,7 +17,7 @@ from shared.runtime import resolve_device_kind
 from shared.runtime import resolve_precision as resolve_job_precision
 from shared.storage import private_temp_dir
 from train.checkpoints.files import find_latest_checkpoint, resolve_checkpoint
-from train.config import TrainConfig
+from train.config import TrainConfig, time_count
 from train.data.loader import PinnedData, pin_version, read_dataset_manifest
 
 log = logging.getLogger(__name__)
@@ -88,11 +89,37 @@ def local_run_dir(cfg: TrainConfig, run_name: str) -> str:
     return str(private_temp_dir("sd-pretrain-runs", "log.local_dir") / run_name)
 
 
+class RunFinishedError(ValueError):
+    """Autoresume found a checkpoint already at max_duration: nothing to train; the message says what next."""
+
+
+def check_not_finished(cfg: TrainConfig, latest: str) -> None:
+    """Stop before any model is built when the latest checkpoint already reached max_duration (Composer would
+    fail much later with advice a user cannot apply: `reset_time=True in Trainer.fit()`)."""
+    # Composer names checkpoints ep{epoch}-ba{batch}-rank{rank}.pt (sharded: the folder ep{e}-ba{b}).
+    done = re.search(r"-ba(\d+)", latest.rstrip("/").rsplit("/", 1)[-1])
+    if not done or not cfg.max_duration.endswith("ba"):
+        return  # counted in epochs or samples: Composer's own check applies
+    batches, limit = int(done.group(1)), time_count(cfg.max_duration)
+    if batches >= limit:
+        raise RunFinishedError(finished_message(cfg.save_folder, batches, cfg.max_duration))
+
+
+def finished_message(save_folder: str, batches: int, max_duration: str) -> str:
+    longer = f"max_duration={2 * batches}ba"
+    return (
+        f"the run in {save_folder} already finished: its latest checkpoint is at {batches}ba and "
+        f"max_duration is {max_duration}.\n  train it longer: add {longer} (make train ARGS='{longer}'); "
+        "start a new run: add save_folder=<a new folder>"
+    )
+
+
 def resolve_start(cfg: TrainConfig) -> StartPoint:
     """Autoresume from save_folder's latest checkpoint; else load_path (maybe weights-only); else fresh."""
     if cfg.autoresume:
         latest = find_latest_checkpoint(cfg.save_folder)
         if latest:
+            check_not_finished(cfg, latest)
             log.info("autoresume: continuing from %s", latest)
             return StartPoint(latest, weights_only=False, resuming=True)
     if cfg.load_path:

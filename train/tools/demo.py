@@ -12,6 +12,7 @@ Rerunning is cheap: encode finds its output up to date and training resumes from
 
 from __future__ import annotations
 
+import re
 import shutil
 import time
 from dataclasses import dataclass
@@ -86,12 +87,16 @@ def encode_data(paths: DemoPaths, source: Path) -> None:
 
 def train_model(paths: DemoPaths, max_duration: str | None) -> None:
     from train.config import TrainConfig
+    from train.loop.prepare import RunFinishedError
     from train.loop.trainer import fit
 
     overrides = [f"data.uri={paths.encoded}", f"save_folder={paths.train}"]
     if max_duration:
         overrides.append(f"max_duration={max_duration}")
-    fit(load_config(TrainConfig, "tiny", overrides, kind="train"))
+    try:
+        fit(load_config(TrainConfig, "tiny", overrides, kind="train"))
+    except RunFinishedError:  # a rerun of the demo: its run is done, the rest is redone from it
+        print(f"training in {paths.train} already finished: reusing it (--fresh starts over)", flush=True)
 
 
 def export_and_generate(paths: DemoPaths) -> None:
@@ -101,7 +106,7 @@ def export_and_generate(paths: DemoPaths) -> None:
     from train.export.pipeline import export_pipeline
     from train.export.samples import save_grid
 
-    export_pipeline(str(paths.train), str(paths.pipeline))
+    result = export_pipeline(str(paths.train), str(paths.pipeline))
     # low_cpu_mem_usage=False: the tiny model needs no `accelerate` (not a dependency), and says so quietly
     pipe = StableDiffusionPipeline.from_pretrained(
         str(paths.pipeline), local_files_only=True, low_cpu_mem_usage=False
@@ -115,7 +120,10 @@ def export_and_generate(paths: DemoPaths) -> None:
         generator=generator,
         output_type="pt",
     ).images
-    save_grid((images * 255).round().to(torch.uint8), str(paths.samples), columns=IMAGES_PER_PROMPT)
+    step = re.search(r"-ba(\d+)", result.checkpoint)
+    title = f"{'step ' + step.group(1) + ', ' if step else ''}guidance {GUIDANCE:g}, {SAMPLE_STEPS} steps"
+    pixels = (images * 255).round().to(torch.uint8)
+    save_grid(pixels, str(paths.samples), IMAGES_PER_PROMPT, DEMO_PROMPTS, f"{title} ({result.weights})")
 
 
 def plot_loss(paths: DemoPaths) -> None:
@@ -146,6 +154,6 @@ def run_demo(out: Path, max_duration: str | None = None, fresh: bool = False) ->
     print(f"  encoded dataset  {paths.encoded}  (manifest.json, metrics.json, MDS shards per resolution)")
     print(f"  checkpoints      {paths.train}  (metrics.jsonl, logs/, samples/)")
     print(f"  diffusers model  {paths.pipeline}  (StableDiffusionPipeline.from_pretrained)")
-    print(f"  generated grid   {paths.samples}  (rows: {'; '.join(DEMO_PROMPTS)})")
+    print(f"  generated grid   {paths.samples}  (one labelled row per prompt: {'; '.join(DEMO_PROMPTS)})")
     print(f"  loss curve       {paths.loss}")
     return paths

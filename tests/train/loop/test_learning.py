@@ -1,6 +1,6 @@
 """The tiny model really learns the sample data: `make demo`'s own run, checked by what it generates.
 
-The demo (sample data -> encode -> train -> export) runs once through its real entry point; then diffusers'
+The demo (sample data -> encode -> train -> export) runs once through `make demo`'s command; then diffusers'
 `StableDiffusionPipeline` loads the export and generates, from the same starting noise, for prompts that
 name disjoint colour pairs. Every pixel is assigned to the nearest sample-data colour, and the test asks
 that each prompt paints more of *its own* two colours than the other prompts do. A model that ignored its
@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from encode.sample_data import COLORS, color_of_caption
+from tests.train.conftest import DemoRun
 
 PROMPTS = (
     "a red circle on a blue background",
@@ -55,10 +56,9 @@ def caption_margin(shares: np.ndarray, prompts: tuple[str, ...]) -> tuple[float,
 
 
 @pytest.fixture(scope="module")
-def demo(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from train.tools.demo import run_demo
-
-    return run_demo(tmp_path_factory.mktemp("demo")).root
+def demo(demo_run: DemoRun) -> Path:
+    """`make demo`'s output (tests/train/conftest.py runs it once a session; the newcomer path reuses it)."""
+    return demo_run.root
 
 
 def generate(pipeline_dir: Path, prompts: tuple[str, ...]) -> np.ndarray:
