@@ -67,6 +67,7 @@ from shared.launch.plan import (
 )
 from shared.launch.steps import build_steps
 from train.config import TrainConfig, time_count
+from train.data.mix import plan_lines
 
 DEFAULT_GPU_TYPE = "A100-40GB"  # the planner's reference GPU (jobs/estimate/sd2-base.yaml)
 # Host memory per train rank (GiB), an estimate: the rank's process builds the U-Net in fp32 on the host
@@ -101,7 +102,9 @@ def plan_train(
     plan.batching = derive_batching(cfg.global_batch_size, topology.world_size, cfg.device_microbatch_size)
     plan.estimate = estimate_line(topology.world_size, gpu_type)
     plan.cluster, notes = cluster_lines(cfg, topology, plan.batching, write_gb_per_s)
-    plan.cluster.append(dataset_text_store_line(topology.world_size, gpu_type, cfg.data.uri))
+    first_uri = cfg.data.uri or cfg.data.streams[0].uri
+    plan.cluster.append(dataset_text_store_line(topology.world_size, gpu_type, first_uri))
+    plan.cluster += plan_lines(cfg.data, cfg.seed if cfg.data.shuffle_seed is None else cfg.data.shuffle_seed)
     plan.notes += notes
     return plan
 

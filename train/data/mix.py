@@ -17,18 +17,20 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from shared.contract import ContractError
 from shared.manifest import DatasetManifest, fingerprint, read_manifest
 from train.config import DataConfig, StreamConfig
-from train.data.loader import STREAM_INDEX, PinnedData, pin_version
+
+if TYPE_CHECKING:  # the loader imports torch; the launch planner imports this module without it
+    from train.data.loader import PinnedData
 
 log = logging.getLogger(__name__)
 
-__all__ = ["STREAM_INDEX", "PinnedStream", "epoch_counts", "mix_record", "pin_streams"]
+_MB = 1e6
 
 
 @dataclass(frozen=True)
@@ -86,6 +88,8 @@ def _encoder_facts(manifest: DatasetManifest) -> dict[str, Any]:
 
 def pin_streams(cfg: DataConfig, manifests: list[tuple[str, DatasetManifest]]) -> list[PinnedStream]:
     """Pin every stream's version into its own cache folder (after the contract checks)."""
+    from train.data.loader import pin_version
+
     return [
         PinnedStream(name, stream, pin_version(stream_data_config(cfg, stream), manifest))
         for stream, (name, manifest) in zip(cfg.streams, manifests, strict=True)
@@ -163,3 +167,32 @@ def streams_to_streaming(streams: list[PinnedStream], download_timeout: float) -
             )
         )
     return out
+
+
+# ------------------------------------------------------------------------------------------ planner
+def plan_lines(cfg: DataConfig, seed: int) -> list[str]:
+    """For `train launch --dry-run`: the epoch size, and per stream its samples, stored bytes and the
+    samples and bytes it gives per epoch (read from each manifest; unreadable data says so)."""
+    streams = cfg.streams or [StreamConfig(uri=cfg.uri, version=cfg.version)]
+    try:
+        manifests = [read_manifest(s.uri.rstrip("/"), s.version) for s in streams]
+        infos = [m.resolutions[cfg.resolution] for m in manifests]
+    except Exception as err:  # best effort, like the text.store line (S3 errors are not all OSError)
+        return [f"data: counts unavailable ({type(err).__name__}: {err})"]
+    sizes = [i.num_samples for i in infos]
+    counts = epoch_counts([s.weight() for s in streams], sizes, cfg.epoch_size, seed)
+    total = sum(counts) or 1
+    lines = [
+        f"data: {len(streams)} stream(s) at {cfg.resolution} px, epoch {sum(counts)} samples"
+        + (f" (batching {cfg.batching_method})" if cfg.streams else "")
+    ]
+    for stream, manifest, info, count in zip(streams, manifests, infos, counts, strict=True):
+        per_sample = info.bytes / max(info.num_samples, 1)
+        weight = stream.weight()
+        lines.append(
+            f"  {stream.resolved_name()} (version {manifest.version}): {info.num_samples} samples, "
+            f"{info.bytes / _MB:.1f} MB stored; {count} per epoch ({100 * count / total:.1f}%"
+            + (f", {weight[0]} {weight[1]}" if weight else "")
+            + f"), {count * per_sample / _MB:.1f} MB read per epoch"
+        )
+    return lines
