@@ -250,7 +250,7 @@ def _streaming_dataset_class() -> type:
             out[SAMPLE_SEED] = torch.tensor(seed, dtype=torch.int64)
             # Per-stream sample counts (train/data/stream_counts.py) are taken on the host from this column.
             shard_id, _ = self.spanner[sample_id]
-            out[STREAM_INDEX] = torch.tensor(int(self.stream_per_shard[shard_id]), dtype=torch.int64)
+            out[STREAM_INDEX] = int(self.stream_per_shard[shard_id])  # a Python int: collated in one tensor
             # Drawn here, in the loader worker, so they reach the step in the pinned batch
             # (train/data/draws.py).
             return out | draw_columns(seed, tuple(out[LATENT_MEAN].shape), self.num_timesteps)
