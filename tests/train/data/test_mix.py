@@ -238,3 +238,20 @@ def test_dry_run_plan_counts_epoch_samples_and_storage_per_stream(
     assert "data: 64 samples" not in text
     assert "20 per epoch (23.8%, choose 20)" in text and "64 per epoch (76.2%, repeat 2.0)" in text
     assert text.count("MB stored") == 2
+
+
+def test_a_one_dataset_checkpoint_is_not_resumed_on_a_mix(
+    tiny_run: Any, tiny_dataset: str, tiny_dataset_b: str, tmp_path: Path
+) -> None:
+    save = copy_run(tiny_run.save, tmp_path / "save")
+    cfg = mix_config(
+        save,
+        f"{{uri: {tiny_dataset}, name: a, proportion: 0.5}}",
+        f"{{uri: {tiny_dataset_b}, name: b, proportion: 0.5}}",
+        extra=("max_duration=14ba",),
+    )
+    with (
+        pytest.raises(DatasetChangedError, match=r"trained on the one dataset .* but this run reads the mix"),
+        single_threaded_torch(),
+    ):
+        fit(cfg)
