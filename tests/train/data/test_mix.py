@@ -255,3 +255,21 @@ def test_a_one_dataset_checkpoint_is_not_resumed_on_a_mix(
         single_threaded_torch(),
     ):
         fit(cfg)
+
+
+@pytest.mark.s3
+def test_a_mix_of_an_s3_and_a_local_dataset(s3_prefix: str, tiny_dataset_b: str, tmp_path: Path) -> None:
+    """One stream on S3 (SeaweedFS), one local: each pinned in its own cache folder, counted, recorded."""
+    data = f"{s3_prefix}/laion"
+    write_fake_dataset(data, n=16)
+    cfg = mix_config(
+        tmp_path / "save",
+        f"{{uri: {data}, choose: 8}}",
+        f"{{uri: {tiny_dataset_b}, name: coyo, repeat: 0.25}}",
+        extra=("max_duration=2ba", "save_interval=2ba"),
+    )
+    with single_threaded_torch():
+        fit(cfg)
+    assert counts_by_step(Path(cfg.save_folder), ["laion", "coyo"])[2] == [8, 8]
+    record = read_checkpoint(Path(cfg.save_folder) / LATEST_NAME)["state"]["callbacks"]["RunRecord"]
+    assert [s["uri"] for s in record["dataset"]["streams"]] == [data, tiny_dataset_b]
