@@ -71,32 +71,31 @@ class StreamConfig:
     repeat: float | None = None
     choose: int | None = None
 
+    def __post_init__(self) -> None:
+        name, weights = self.resolved_name() or "#?", [w for w in self._weights() if w[1] is not None]
+        if not self.uri:
+            raise ConfigError(f"data.streams: stream {name} has no uri; give each stream uri=<encode output>")
+        if len(weights) > 1:
+            raise ConfigError(
+                f"data.streams: stream {name} sets {' and '.join(k for k, _ in weights)}; give one"
+            )
+        if weights and weights[0][1] <= 0:  # type: ignore[operator]
+            raise ConfigError(f"data.streams: stream {name} has {weights[0][0]} <= 0; use a positive value")
+
+    def _weights(self) -> list[tuple[str, float | int | None]]:
+        return [("proportion", self.proportion), ("repeat", self.repeat), ("choose", self.choose)]
+
     def resolved_name(self) -> str:
         return self.name or self.uri.rstrip("/").rsplit("/", 1)[-1]
 
     def weight(self) -> tuple[str, float | int] | None:
         """("proportion" | "repeat" | "choose", value), or None when no weight is set."""
-        set_ = [(k, v) for k, v in (("proportion", self.proportion), ("repeat", self.repeat),
-                                    ("choose", self.choose)) if v is not None]  # fmt: skip
-        return set_[0] if set_ else None
+        return next(((k, v) for k, v in self._weights() if v is not None), None)
 
 
 def check_streams(streams: list[StreamConfig], epoch_size: int | None) -> None:
     """The mix rules Streaming would enforce mid-construction, checked before any work, naming streams."""
     names = [s.resolved_name() for s in streams]
-    for stream, name in zip(streams, names, strict=True):
-        if not stream.uri:
-            raise ConfigError(
-                f"data.streams: stream {name or '#?'} has no uri; give each stream uri=<encode output>"
-            )
-        weights = [k for k in ("proportion", "repeat", "choose") if getattr(stream, k) is not None]
-        if len(weights) > 1:
-            raise ConfigError(f"data.streams: stream {name} sets {' and '.join(weights)}; give at most one")
-        bad = stream.weight() is not None and stream.weight()[1] <= 0  # type: ignore[index]
-        if bad:
-            raise ConfigError(
-                f"data.streams: stream {name} has {stream.weight()[0]} <= 0; use a positive value"
-            )  # type: ignore[index]
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
         raise ConfigError(f"data.streams: the name(s) {dupes} are used twice; give each stream its own name=")
