@@ -193,7 +193,9 @@ def test_resuming_on_another_mix_is_refused_unless_allowed(
         single_threaded_torch(),
     ):
         fit(cfg)
-    allowed = mix_config(save, *changed, extra=("max_duration=14ba",), allow_dataset_change="true")
+    # Its own cache folders: the refused run's StreamingDataset may still hold the first ones in this process.
+    cache = f"data.cache_dir={tmp_path / 'cache-allowed'}"
+    allowed = mix_config(save, *changed, extra=("max_duration=14ba", cache), allow_dataset_change="true")
     with caplog.at_level(logging.WARNING), single_threaded_torch():
         fit(allowed)
     assert "data position remapped onto the new data" in caplog.text
