@@ -68,6 +68,7 @@ from shared.launch.plan import (
 from shared.launch.steps import build_steps
 from shared.launch.supervisor import Supervision
 from train.config import TrainConfig, time_count
+from train.data.mix import plan_lines
 from train.resilience.plan import RunShape, exit_lead_s, resilience_lines, total_steps
 
 DEFAULT_GPU_TYPE = "A100-40GB"  # the planner's reference GPU (jobs/estimate/sd2-base.yaml)
@@ -111,11 +112,13 @@ def plan_train(
     plan.estimate = run_estimate_line(cfg, topology.world_size, gpu_type)
     plan.reference.append(estimate_line(topology.world_size, gpu_type))
     plan.cluster, notes = cluster_lines(cfg, topology, plan.batching, write_gb_per_s)
-    text_store = dataset_text_store_line(topology.world_size, gpu_type, cfg.data.uri)
+    first_uri = cfg.data.uri or cfg.data.streams[0].uri
+    text_store = dataset_text_store_line(topology.world_size, gpu_type, first_uri)
     if cfg.model.preset == REFERENCE_PRESET:
         plan.cluster.append(text_store)
     else:  # priced at SD2-base sizes and schedule: a reference for scale, not this run's storage
         plan.reference.append(f"not this run: {text_store}")
+    plan.cluster += plan_lines(cfg.data, cfg.seed if cfg.data.shuffle_seed is None else cfg.data.shuffle_seed)
     plan.notes += notes
     shape = run_shape(cfg, topology, write_gb_per_s)
     lead = exit_lead_s(cfg, shape.save_s)

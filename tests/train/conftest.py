@@ -185,6 +185,23 @@ def tiny_dataset(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(root)
 
 
+@pytest.fixture(scope="session")
+def tiny_dataset_b(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A second read-only tiny dataset (32 rows at 64 px, other rows and fingerprint) to mix with
+    `tiny_dataset` (data.streams tests)."""
+    root = tmp_path_factory.mktemp("tiny-ds-b") / "data"
+    with single_threaded_torch():
+        write_fake_dataset(root, n=32, seed=5, salt="b")
+    return str(root)
+
+
+def stream_overrides(*streams: str, **data: Any) -> list[str]:
+    """`data.uri=` (cleared) and `data.streams=[...]` from flow-style YAML items such as
+    `{uri: /x, proportion: 0.7}`, plus any other `data.<key>=<value>`."""
+    items = ", ".join(streams)
+    return ["data.uri=", f"data.streams=[{items}]", *(f"data.{k}={v}" for k, v in data.items())]
+
+
 def tiny_overrides(data: str, save: str | Path, cache: str | Path, *extra: str) -> list[str]:
     """Overrides that make jobs/train/tiny.yaml run on a test dataset in a few seconds (the yaml's batch of
     32 is sized for the demo's learning; tests want several steps per epoch of a 64-row dataset)."""

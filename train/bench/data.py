@@ -8,6 +8,7 @@ manifest, so `train.data.loader` and `train.loop.trainer` read it exactly as the
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import statistics
@@ -168,4 +169,83 @@ def bench_loader(
         "first_batch_s": runs[0].first_batch_s,
         "batch_size": batch_size,
         "num_workers": num_workers,
+    }
+
+
+# ------------------------------------------------------------------------------- against plain Streaming
+def _plain_pass(loader: Any) -> LoaderRun:
+    """`_one_pass` for batches of plain Streaming rows (dicts of numpy arrays collated by torch)."""
+    start = time.perf_counter()
+    first = last = None
+    samples = 0
+    for batch in loader:
+        last = time.perf_counter()
+        if first is None:
+            first = last
+            continue
+        samples += len(batch["key"])
+    if first is None or last is None:
+        raise ValueError("the bench dataset yielded no batch: raise loader.rows above the batch size")
+    return LoaderRun(first - start, samples, last - first)
+
+
+def bench_plain_streaming(
+    roots: list[Path], resolution: int, batch_size: int, num_workers: int, passes: int, cache_dir: Path
+) -> float:
+    """Median warm images/s of a bare `StreamingDataset` (+ StreamingDataLoader, default collate) over the
+    same shards as `bench_loader`: the fair peer of train's loader, which adds the version pin, the
+    per-sample draws and packing on top of it."""
+    from streaming import Stream, StreamingDataLoader, StreamingDataset
+
+    from train.data.streaming_host import streaming_prefix_lock
+
+    weight = {"proportion": 1.0} if len(roots) > 1 else {}  # as bench_loader_vs_streaming weights a mix
+    streams = [
+        Stream(remote=Layout(str(root)).stream_root(resolution), local=str(cache_dir / f"s{i}"), **weight)
+        for i, root in enumerate(roots)
+    ]
+    with streaming_prefix_lock():
+        dataset = StreamingDataset(
+            streams=streams, batch_size=batch_size, shuffle=True, num_canonical_nodes=1
+        )
+    extra = {"persistent_workers": True} if num_workers > 0 else {}
+    loader = StreamingDataLoader(
+        dataset, batch_size=batch_size, num_workers=num_workers, drop_last=True, **extra
+    )
+    runs = [_plain_pass(loader) for _ in range(max(passes, 1))]
+    del loader, dataset
+    gc.collect()
+    rates = [r.images_per_s for r in runs]
+    return statistics.median(rates[1:] or rates)
+
+
+def bench_loader_vs_streaming(
+    roots: list[Path], resolution: int, batch_size: int, num_workers: int, passes: int, work: Path, seed: int
+) -> dict[str, Any]:
+    """Train's loader over one dataset or a mix of `roots` (data.streams, equal proportions) and plain
+    Streaming over the same shards, one after the other in one process (`make bench` reports the ratio)."""
+    from train.config import StreamConfig
+    from train.data.mix import pin_streams, read_stream_manifests, streams_to_streaming
+
+    cfg = data_config(roots[0], resolution, work / "train-cache", num_workers)
+    if len(roots) > 1:
+        streams = [StreamConfig(uri=str(r), name=f"s{i}", proportion=1.0) for i, r in enumerate(roots)]
+        cfg = dataclasses.replace(cfg, uri="", streams=streams)
+        pinned = pin_streams(cfg, read_stream_manifests(cfg))
+        loader = build_dataloader(
+            cfg, pinned[0].pinned, batch_size, seed, streams=streams_to_streaming(pinned, 120)
+        )
+    else:
+        loader = build_dataloader(cfg, pin_version(cfg, read_dataset_manifest(cfg)), batch_size, seed)
+    train_runs = [_one_pass(loader) for _ in range(max(passes, 1))]
+    del loader
+    gc.collect()
+    train_rates = [r.images_per_s for r in train_runs]
+    train_rate = statistics.median(train_rates[1:] or train_rates)
+    plain = bench_plain_streaming(roots, resolution, batch_size, num_workers, passes, work / "plain-cache")
+    return {
+        "streams": len(roots),
+        "images_per_s": train_rate,
+        "plain_streaming_images_per_s": plain,
+        "vs_plain_streaming": train_rate / plain,
     }

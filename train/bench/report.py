@@ -38,6 +38,20 @@ def train_findings(train: dict[str, Any]) -> list[str]:
     return notes
 
 
+LOADER_VS_STREAMING_TARGET = 0.9  # train's loader over plain StreamingDataset of the same shards (issue 24)
+
+
+def streaming_peer_finding(peer: dict[str, Any]) -> str:
+    parts = [
+        f"{run['streams']} stream(s) {run['vs_plain_streaming']:.2f}x ({run['images_per_s']:,.0f} vs "
+        f"{run['plain_streaming_images_per_s']:,.0f} img/s)"
+        for run in peer.values()
+    ]
+    low = [run for run in peer.values() if run["vs_plain_streaming"] < LOADER_VS_STREAMING_TARGET]
+    verdict = f" - below the {LOADER_VS_STREAMING_TARGET}x target" if low else ""
+    return f"train loader vs plain StreamingDataset of the same shards: {'; '.join(parts)}{verdict}"
+
+
 def loader_findings(loader: dict[str, Any], step_rate: float) -> list[str]:
     headroom = loader["images_per_s"] / step_rate
     starve = " - too little headroom: the loader can starve the step" if headroom < LOADER_HEADROOM else ""
@@ -124,6 +138,8 @@ def accumulation_finding(acc: dict[str, Any]) -> str:
 def findings(result: dict[str, Any]) -> list[str]:
     """One line per place the numbers say something (speedup vs ideal, MFU, headroom, overheads)."""
     notes = train_findings(result["train"])
+    if peer := result.get("loader_vs_streaming"):
+        notes.append(streaming_peer_finding(peer))
     if loader := result.get("loader"):
         notes += loader_findings(
             loader, result["train"][str(loader["resolution"])]["images_per_s_per_device"]

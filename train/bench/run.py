@@ -20,7 +20,13 @@ from shared.estimate import GPU_TABLE, gpu_type_for_device
 from shared.presets import get_preset
 from shared.runtime import DeviceSetup, resolve_device_setup
 from train.bench.config import BenchConfig
-from train.bench.data import bench_loader, raw_read_bytes_per_s, shard_files, write_synthetic_dataset
+from train.bench.data import (
+    bench_loader,
+    bench_loader_vs_streaming,
+    raw_read_bytes_per_s,
+    shard_files,
+    write_synthetic_dataset,
+)
 from train.bench.report import findings
 from train.bench.scale import bench_collectives
 from train.bench.scale_s3 import S3_RUN_BATCH, bench_s3_requests
@@ -94,12 +100,26 @@ def bench_data_sections(
             "raw_read_bytes_per_s": raw,
             "shard_bytes": total,
         }
+        out["loader_vs_streaming"] = loader_vs_streaming(cfg, root, work)
     if cfg.trainer.enabled:
         t = cfg.trainer
         out["trainer"] = bench_trainer(recipe, root, res, batch, t.batches, t.warmup, work / "trainer", setup)
         out["trainer"]["resolution"] = res
         out["trainer"]["recipe"] = cfg.recipe
     return out
+
+
+def loader_vs_streaming(cfg: BenchConfig, root: Path, work: Path) -> dict[str, Any]:
+    """Train's loader against plain StreamingDataset over the same shards: one dataset, and a two-stream
+    data.streams mix (the second dataset written like the first, other rows)."""
+    res, batch, loader = cfg.data_resolution(), cfg.loader_batch(), cfg.loader
+    second = work / "dataset-2"
+    write_synthetic_dataset(second, get_preset(cfg.preset), res, loader.rows, cfg.seed + 1)
+    args = (res, batch, loader.num_workers, loader.passes)
+    return {
+        "one_stream": bench_loader_vs_streaming([root], *args, work / "vs-one", cfg.seed),
+        "two_streams": bench_loader_vs_streaming([root, second], *args, work / "vs-mix", cfg.seed),
+    }
 
 
 def scale_section(trainer: dict[str, Any]) -> dict[str, Any]:

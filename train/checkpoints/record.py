@@ -6,7 +6,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from composer.core import Callback
+from composer.core import Callback, State
+from composer.loggers import Logger
 
 log = logging.getLogger(__name__)
 
@@ -16,12 +17,15 @@ class DatasetChangedError(RuntimeError):
 
 
 # ------------------------------------------------------------------------------------------ run record
-def check_dataset_unchanged(saved: dict[str, Any], current: dict[str, Any], allow: bool) -> None:
-    """Refuse to resume on other data than the checkpoint's, unless `allow` (data.allow_dataset_change)."""
+def check_dataset_unchanged(saved: dict[str, Any], current: dict[str, Any], allow: bool) -> bool:
+    """Refuse to resume on other data than the checkpoint's, unless `allow` (data.allow_dataset_change).
+    Returns whether the data changed (and was allowed to)."""
     before, now = saved.get("dataset", {}), current.get("dataset", {})
     changed = [k for k in ("fingerprint", "resolution") if before.get(k) != now.get(k)]
     if not changed:
-        return
+        return False
+    if "mix" in before or "mix" in now:
+        return _check_mix_unchanged(before, now, allow)
     what = (
         f"the checkpoint was trained on {before.get('uri')} version {before.get('version')} at "
         f"{before.get('resolution')} px (fingerprint {before.get('fingerprint')}) but this run reads "
@@ -30,10 +34,41 @@ def check_dataset_unchanged(saved: dict[str, Any], current: dict[str, Any], allo
     )
     if allow:
         log.warning("data.allow_dataset_change=true: resuming although %s", what)
-        return
+        return True
     raise DatasetChangedError(
         f"refusing to resume: {what}. Pass data.version={before.get('version')} (and the original data.uri / "
         "data.resolution) to continue on the same data, or data.allow_dataset_change=true to switch datasets."
+    )
+
+
+def _describe_mix(dataset: dict[str, Any]) -> str:
+    """`name=uri@version (weight)` per stream, the batching method and epoch size; or the one dataset."""
+    mix = dataset.get("mix")
+    if mix is None:
+        return f"the one dataset {dataset.get('uri')} version {dataset.get('version')}"
+    parts = [
+        f"{s['name']}={s['uri']}@{s['version']}"
+        + (f" ({s['weight'][0]} {s['weight'][1]})" if s["weight"] else "")
+        for s in mix["streams"]
+    ]
+    return f"the mix [{'; '.join(parts)}] batching {mix['batching_method']}" + (
+        f", epoch_size {mix['epoch_size']}" if mix.get("epoch_size") else ""
+    )
+
+
+def _check_mix_unchanged(before: dict[str, Any], now: dict[str, Any], allow: bool) -> bool:
+    what = (
+        f"the checkpoint was trained on {_describe_mix(before)} at {before.get('resolution')} px "
+        f"(fingerprint {before.get('fingerprint')}) but this run reads {_describe_mix(now)} at "
+        f"{now.get('resolution')} px (fingerprint {now.get('fingerprint')})"
+    )
+    if allow:
+        log.warning("data.allow_dataset_change=true: resuming although %s", what)
+        return True
+    raise DatasetChangedError(
+        f"refusing to resume: {what}. Set data.streams (and data.batching_method / data.epoch_size / "
+        "data.resolution) back to the checkpoint's, as its train_config.yaml records them, or pass "
+        "data.allow_dataset_change=true to continue on the new mix."
     )
 
 
@@ -49,9 +84,21 @@ class RunRecord(Callback):
     def __init__(self, record: dict[str, Any], allow_dataset_change: bool = False):
         self.record = record
         self.allow_dataset_change = allow_dataset_change
+        self.data_changed = False
 
     def state_dict(self) -> dict[str, Any]:
         return dict(self.record)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        check_dataset_unchanged(state, self.record, self.allow_dataset_change)
+        self.data_changed = check_dataset_unchanged(state, self.record, self.allow_dataset_change)
+
+    def fit_start(self, state: State, logger: Logger) -> None:
+        if not self.data_changed:
+            return
+        # Streaming's resume state is (epoch, samples into the epoch), applied to whatever data is read now.
+        log.warning(
+            "data position remapped onto the new data: the checkpoint stopped %d samples into epoch %d; "
+            "the new data continues at that same sample count into epoch %d of its own order (the samples "
+            "before it in the new order are not seen this epoch)",
+            int(state.timestamp.sample_in_epoch), int(state.timestamp.epoch), int(state.timestamp.epoch),
+        )  # fmt: skip

@@ -1,2 +1,2 @@
-"""The data path: pinned dataset versions streamed with Streaming, per-sample draws, packed batches, leases
-against gc."""
+"""The data path: pinned dataset versions streamed with Streaming (one dataset, or a data.streams mix with
+per-stream sample counts), per-sample draws, packed batches, leases against gc."""

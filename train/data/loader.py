@@ -51,6 +51,7 @@ log = logging.getLogger(__name__)
 NUM_TIMESTEPS = ModelConfig.num_train_timesteps  # the default schedule's length (1000)
 _SEED_MASK = (1 << 63) - 1  # torch.Generator and int64 tensors both take a non-negative 63-bit seed
 _MDS_OFFSET = np.dtype("<u4")  # an MDS shard starts with its sample count, then count + 1 uint32 offsets
+STREAM_INDEX = "stream_index"  # int64 batch column: which stream of data.streams a sample came from (0: one)
 
 
 def sample_seed(seed: int, epoch: int, index: int) -> int:
@@ -247,6 +248,9 @@ def _streaming_dataset_class() -> type:
             out = {name: torch.from_numpy(row[name].copy()) for name in TRAIN_COLUMNS if name in row}
             seed = sample_seed(self.sample_seed_base, self.current_epoch, int(sample_id))
             out[SAMPLE_SEED] = torch.tensor(seed, dtype=torch.int64)
+            # Per-stream sample counts (train/data/stream_counts.py) are taken on the host from this column.
+            shard_id, _ = self.spanner[sample_id]
+            out[STREAM_INDEX] = int(self.stream_per_shard[shard_id])  # a Python int: collated in one tensor
             # Drawn here, in the loader worker, so they reach the step in the pinned batch
             # (train/data/draws.py).
             return out | draw_columns(seed, tuple(out[LATENT_MEAN].shape), self.num_timesteps)
@@ -255,23 +259,37 @@ def _streaming_dataset_class() -> type:
 
 
 def build_dataset(
-    cfg: DataConfig, pinned: PinnedData, per_rank_batch: int, seed: int, num_timesteps: int = NUM_TIMESTEPS
+    cfg: DataConfig,
+    pinned: PinnedData,
+    per_rank_batch: int,
+    seed: int,
+    num_timesteps: int = NUM_TIMESTEPS,
+    streams: list[Any] | None = None,
 ) -> Any:
     """The StreamingDataset over the pinned version (remote shards, private local cache); rows carry the
-    per-sample draws for a schedule of `num_timesteps` (model.num_train_timesteps)."""
+    per-sample draws for a schedule of `num_timesteps` (model.num_train_timesteps). `streams`: Streaming
+    `Stream`s of a data.streams mix (train/data/mix.py), read instead of `pinned`."""
     with streaming_prefix_lock():
-        return _new_dataset(cfg, pinned, per_rank_batch, seed, num_timesteps)
+        return _new_dataset(cfg, pinned, per_rank_batch, seed, num_timesteps, streams)
 
 
 def _new_dataset(
-    cfg: DataConfig, pinned: PinnedData, per_rank_batch: int, seed: int, num_timesteps: int
+    cfg: DataConfig,
+    pinned: PinnedData,
+    per_rank_batch: int,
+    seed: int,
+    num_timesteps: int,
+    streams: list[Any] | None,
 ) -> Any:
     cls = _streaming_dataset_class()
+    where: dict[str, Any] = {"remote": pinned.remote, "local": pinned.local}
+    if streams:
+        where = {"streams": streams, "batching_method": cfg.batching_method}
     return cls(
         seed=seed,
         num_timesteps=num_timesteps,
-        remote=pinned.remote,
-        local=pinned.local,
+        **where,
+        epoch_size=cfg.epoch_size,
         batch_size=per_rank_batch,
         shuffle=cfg.shuffle,
         shuffle_algo=cfg.shuffle_algo,
@@ -281,17 +299,22 @@ def _new_dataset(
         predownload=cfg.predownload,
         cache_limit=cfg.cache_limit,
         download_timeout=cfg.download_timeout,
-        validate_hash=SHARD_HASH if pinned.hashed else None,
+        validate_hash=SHARD_HASH if pinned.hashed and not streams else None,
     )
 
 
 def build_dataloader(
-    cfg: DataConfig, pinned: PinnedData, per_rank_batch: int, seed: int, num_timesteps: int = NUM_TIMESTEPS
+    cfg: DataConfig,
+    pinned: PinnedData,
+    per_rank_batch: int,
+    seed: int,
+    num_timesteps: int = NUM_TIMESTEPS,
+    streams: list[Any] | None = None,
 ) -> Any:
     """A StreamingDataLoader (Composer checkpoints its dataset's position, so resumes are mid-epoch exact)
     whose batches are packed into one buffer each (train/data/packing.py; `packing.unpack` gives the
-    columns)."""
-    dataset = build_dataset(cfg, pinned, per_rank_batch, seed, num_timesteps)
+    columns). It counts the samples it hands out per stream (`stream_taken`)."""
+    dataset = build_dataset(cfg, pinned, per_rank_batch, seed, num_timesteps, streams)
     check_one_batch_per_epoch(len(dataset), per_rank_batch, cfg)
     extra: dict[str, Any] = {}
     if cfg.num_workers > 0:
@@ -311,6 +334,17 @@ def _packed_loader_class() -> type:
     from streaming import StreamingDataLoader
 
     class PackedStreamingDataLoader(StreamingDataLoader):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            # Samples handed to the trainer per stream since this process started (host-side counts).
+            self.stream_taken = np.zeros(self.dataset.num_streams, np.int64)
+
+        def __iter__(self) -> Iterator[Any]:
+            for batch in super().__iter__():
+                ids = packing.unpack(batch)[STREAM_INDEX]
+                self.stream_taken += np.bincount(ids.numpy(), minlength=len(self.stream_taken))
+                yield batch
+
         def _get_batch_size(self, batch: Any) -> int:
             # Streaming counts a dict batch by its first value's length: the packed buffer's byte count.
             # The count is the resume position Composer checkpoints, so it must be samples.
@@ -324,9 +358,9 @@ def check_one_batch_per_epoch(rank_samples: int, per_rank_batch: int, cfg: DataC
     count epochs forever without taking a step."""
     if rank_samples < per_rank_batch:
         raise DataError(
-            f"the {cfg.resolution} px data at {cfg.uri} gives each rank {rank_samples} samples, fewer than "
-            f"one per-rank batch of {per_rank_batch}, so no step could ever run; lower global_batch_size "
-            f"(and device_microbatch_size) or encode more data"
+            f"the {cfg.resolution} px data at {cfg.uri or 'data.streams'} gives each rank {rank_samples} "
+            f"samples, fewer than one per-rank batch of {per_rank_batch}, so no step could ever run; lower "
+            "global_batch_size (and device_microbatch_size) or encode more data"
         )
 
 

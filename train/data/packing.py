@@ -50,8 +50,27 @@ def pack_columns(columns: dict[str, torch.Tensor], pin: bool = False) -> dict[st
 
 
 def collate_packed(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """The DataLoader's collate_fn (runs in the worker): torch's default collate, then one buffer."""
-    return pack_columns(default_collate(rows))
+    """The DataLoader's collate_fn (runs in the worker): what torch's default collate gives, stacked
+    straight into one buffer. Stacking each column into its slot of the buffer copies every byte once,
+    where collating then packing copied it twice."""
+    first = rows[0]
+    if not all(isinstance(v, (torch.Tensor, int, float, bool)) for v in first.values()):
+        return pack_columns(default_collate(rows))  # anything else: torch's rules, then one buffer
+    layout, offset = [], 0
+    for name, value in first.items():
+        like = value if isinstance(value, torch.Tensor) else torch.as_tensor(value)
+        layout.append([name, str(like.dtype).removeprefix("torch."), [len(rows), *like.shape], offset])
+        offset = _align(offset + len(rows) * like.numel() * like.element_size())
+    buffer = torch.empty(offset, dtype=torch.uint8)
+    for name, dtype, shape, start in layout:
+        kind = getattr(torch, dtype)
+        slot = buffer[start : start + math.prod(shape) * kind.itemsize].view(kind).view(shape)
+        values = [row[name] for row in rows]
+        if isinstance(first[name], torch.Tensor):
+            torch.stack(values, out=slot)
+        else:
+            slot.copy_(torch.as_tensor(values, dtype=kind))
+    return {PACKED: buffer, LAYOUT: json.dumps(layout)}
 
 
 def is_packed(batch: Any) -> bool:

@@ -32,6 +32,8 @@ _METRIC_NAMES = {
     "time/remaining_estimate": "eta_hours",
     "memory/peak_allocated_mem": "peak_mem_gb",
 }
+# Metrics kept under their own name in the line of the step they are logged with (train/data/stream_counts.py)
+_STEP_METRIC_PREFIXES = ("data/samples/",)
 
 
 class MetricsJSONL(LoggerDestination):
@@ -52,6 +54,7 @@ class MetricsJSONL(LoggerDestination):
         self.pending: dict[str, Any] = {}
         self.records: dict[int, dict[str, Any]] = {}  # finished steps waiting for their loss
         self.losses: dict[int, float] = {}  # losses waiting for their step's end
+        self.step_values: dict[int, dict[str, Any]] = {}  # per-step metrics logged with their step
 
     def log_metrics(self, metrics: dict[str, Any], step: int | None = None) -> None:
         evals = {name: float(value) for name, value in metrics.items() if name.startswith(_EVAL_PREFIX)}
@@ -60,6 +63,9 @@ class MetricsJSONL(LoggerDestination):
         for name, value in metrics.items():
             if name == _LOSS_METRIC and step is not None:
                 self.losses[int(step)] = float(value)
+                continue
+            if step is not None and name.startswith(_STEP_METRIC_PREFIXES):
+                self.step_values.setdefault(int(step), {})[name] = value
                 continue
             short = "lr" if name.startswith("lr-") and name.endswith("group0") else _METRIC_NAMES.get(name)
             if short is not None:
@@ -125,6 +131,7 @@ class MetricsJSONL(LoggerDestination):
             record = self.records.pop(step)
             if step in self.losses:
                 record["loss"] = self.losses.pop(step)
+            record.update(self.step_values.pop(step, {}))
             lines.append(json.dumps(record) + "\n")
         if lines:
             with self.path.open("a") as handle:

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import logging
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from shared.batching import Batching, derive_batching
 from shared.config import ConfigError
-from shared.contract import Expectation, check_compatible
+from shared.contract import ContractError, Expectation, check_compatible
 from shared.manifest import DatasetManifest
 from shared.presets import get_preset
 from shared.runtime import resolve_device_kind
@@ -19,6 +19,13 @@ from shared.storage import private_temp_dir
 from train.checkpoints.files import find_latest_checkpoint, resolve_checkpoint
 from train.config import TrainConfig, time_count
 from train.data.loader import PinnedData, pin_version, read_dataset_manifest
+from train.data.mix import (
+    PinnedStream,
+    check_same_encoders,
+    epoch_counts,
+    pin_streams,
+    read_stream_manifests,
+)
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +50,9 @@ class RunContext:
     pinned: PinnedData
     local_dir: str  # log, metrics, samples and the resolved config go here
     start: StartPoint
+    # data.streams: every stream, pinned (manifest / pinned above are the first's, which the model is
+    # built from); []: one dataset (data.uri).
+    streams: list[PinnedStream] = field(default_factory=list)
 
 
 # ---------------------------------------------------------------------------------------- preparing
@@ -78,6 +88,31 @@ def expected_shapes(cfg: TrainConfig) -> Expectation:
 def check_data_contract(cfg: TrainConfig, manifest: DatasetManifest) -> None:
     """Refuse data the model cannot use before step 1 (shapes, resolution, scale factor, contract version)."""
     check_compatible(manifest, expected_shapes(cfg))
+
+
+def prepare_data(cfg: TrainConfig) -> tuple[DatasetManifest, PinnedData, list[PinnedStream]]:
+    """Read, check and pin the run's data: data.uri, or every stream of data.streams (each checked against
+    the model's contract, then against the first stream's encoders)."""
+    if not cfg.data.is_mix():
+        manifest = read_dataset_manifest(cfg.data)
+        check_data_contract(cfg, manifest)
+        return manifest, pin_version(cfg.data, manifest), []
+    manifests = read_stream_manifests(cfg.data)
+    for (name, manifest), stream in zip(manifests, cfg.data.streams, strict=True):
+        try:
+            check_data_contract(cfg, manifest)
+        except ContractError as err:
+            raise ContractError(f"data.streams: stream {name} ({stream.uri}): {err}") from None
+    check_same_encoders(manifests)
+    streams = pin_streams(cfg.data, manifests)
+    return manifests[0][1], streams[0].pinned, streams
+
+
+def stream_epoch_counts(cfg: TrainConfig, streams: list[PinnedStream]) -> list[int]:
+    """Samples each stream gives per epoch (Streaming's weighting arithmetic, train/data/mix.py)."""
+    seed = cfg.seed if cfg.data.shuffle_seed is None else cfg.data.shuffle_seed
+    weights = [s.cfg.weight() for s in streams]
+    return epoch_counts(weights, [s.pinned.num_samples for s in streams], cfg.data.epoch_size, seed)
 
 
 def local_run_dir(cfg: TrainConfig, run_name: str) -> str:
@@ -133,9 +168,7 @@ def prepare_run(cfg: TrainConfig) -> RunContext:
     device = resolve_device(cfg)
     precision = resolve_precision(cfg, device)
     batching = derive_batching(cfg.global_batch_size, world_size(), cfg.device_microbatch_size)
-    manifest = read_dataset_manifest(cfg.data)
-    check_data_contract(cfg, manifest)
-    pinned = pin_version(cfg.data, manifest)
+    manifest, pinned, streams = prepare_data(cfg)
     run_name = cfg.resolved_run_name()
     ctx = RunContext(
         cfg=cfg,
@@ -147,6 +180,7 @@ def prepare_run(cfg: TrainConfig) -> RunContext:
         pinned=pinned,
         local_dir=local_run_dir(cfg, run_name),
         start=resolve_start(cfg),
+        streams=streams,
     )
     log_run(ctx)
     return ctx
@@ -159,6 +193,20 @@ def log_run(ctx: RunContext) -> None:
         "global batch %d = %d ranks x %d (microbatch %d x %d accumulation)",
         b.global_batch, b.world_size, b.per_rank_batch, b.microbatch, b.grad_accum,
     )  # fmt: skip
-    log.info(
-        "data %s version %s: %d samples at %d px", data.root, data.version, data.num_samples, data.resolution
-    )
+    if not ctx.streams:
+        log.info(
+            "data %s version %s: %d samples at %d px",
+            data.root,
+            data.version,
+            data.num_samples,
+            data.resolution,
+        )
+        return
+    counts = stream_epoch_counts(ctx.cfg, ctx.streams)
+    log.info("data: a mix of %d streams at %d px, %d samples per epoch (batching %s)",
+             len(ctx.streams), data.resolution, sum(counts), ctx.cfg.data.batching_method)  # fmt: skip
+    for stream, count in zip(ctx.streams, counts, strict=True):
+        p = stream.pinned
+        weight = stream.cfg.weight() or "its size"
+        log.info("  stream %s: %s version %s, %d samples, %d per epoch (%s)",
+                 stream.name, p.root, p.version, p.num_samples, count, weight)  # fmt: skip

@@ -28,6 +28,7 @@ from train.checkpoints.layouts import conform_optimizer_state
 from train.checkpoints.sharded import composer_loads_safely, fsdp_checkpoint_options
 from train.config import TrainConfig
 from train.data.loader import build_dataloader
+from train.data.mix import mix_record, streams_to_streaming
 from train.data.packing import packed_data_spec
 from train.loop.cpu_fsdp import composer_fsdp_on_cpu
 from train.loop.prepare import RunContext, prepare_run
@@ -62,7 +63,7 @@ def run_record(ctx: RunContext, model: DiffusionModel) -> dict[str, Any]:
     manifest = ctx.manifest
     return {
         "run_name": ctx.run_name,
-        "dataset": ctx.pinned.record(),
+        "dataset": mix_record(ctx.cfg.data, ctx.streams) if ctx.streams else ctx.pinned.record(),
         "preset": ctx.cfg.model.preset,
         # JSON round trip: plain dicts/lists only, so the record never needs custom classes to unpickle.
         "unet_config": json.loads(json.dumps(dict(model.unet.config), default=list)),
@@ -116,7 +117,6 @@ def build_callbacks(ctx: RunContext, model: DiffusionModel, saves: Any = None) -
 
     from train.checkpoints.record import RunRecord
     from train.checkpoints.retention import CheckpointRetention
-    from train.data.lease import DatasetLease
     from train.export.samples import SampleRenderer
     from train.loop.guards import NonFiniteGuard
     from train.loop.metrics import ArtifactMirror
@@ -129,7 +129,7 @@ def build_callbacks(ctx: RunContext, model: DiffusionModel, saves: Any = None) -
         NonFiniteGuard(cfg.log.console_interval, saves or cfg.save_interval),
         StepLossLog(cfg.log.console_interval, saves or cfg.save_interval),
         RunRecord(run_record(ctx, model), allow_dataset_change=cfg.data.allow_dataset_change),
-        DatasetLease(cfg.data.uri, ctx.manifest.version, ctx.run_name),  # `encode gc` keeps this version
+        *dataset_leases(ctx),
         SpeedMonitor(window_size=cfg.log.speed_window),
         LRMonitor(),
         RuntimeEstimator(),
@@ -159,6 +159,25 @@ def build_callbacks(ctx: RunContext, model: DiffusionModel, saves: Any = None) -
     if save_folder_keep(cfg) > 0:
         callbacks.append(CheckpointRetention(cfg.save_folder, save_folder_keep(cfg), cfg.save_interval))
     return callbacks
+
+
+def dataset_leases(ctx: RunContext) -> list[Any]:
+    """One lease per dataset the run reads, so `encode gc` keeps every pinned version."""
+    from train.data.lease import DatasetLease
+
+    if not ctx.streams:
+        return [DatasetLease(ctx.cfg.data.uri, ctx.manifest.version, ctx.run_name)]
+    return [DatasetLease(s.pinned.root, s.pinned.version, ctx.run_name) for s in ctx.streams]
+
+
+def stream_callbacks(ctx: RunContext, dataloader: Any) -> list[Any]:
+    """Per-stream sample counts of a data.streams mix (train/data/stream_counts.py)."""
+    from train.data.stream_counts import StreamSampleCounts
+
+    if not ctx.streams:
+        return []
+    names = [s.name for s in ctx.streams]
+    return [StreamSampleCounts(names, dataloader, ctx.cfg.log.console_interval, ctx.cfg.save_interval)]
 
 
 def save_folder_keep(cfg: TrainConfig) -> int:
@@ -225,7 +244,11 @@ def parallelism_config(ctx: RunContext) -> dict[str, Any] | None:
 
 def resolved_config(ctx: RunContext) -> TrainConfig:
     """The config with derived choices filled in: rerunning it reproduces this run (same data version)."""
-    data = dataclasses.replace(ctx.cfg.data, version=ctx.pinned.version)
+    if ctx.streams:
+        pinned = [dataclasses.replace(s.cfg, name=s.name, version=s.pinned.version) for s in ctx.streams]
+        data = dataclasses.replace(ctx.cfg.data, streams=pinned)
+    else:
+        data = dataclasses.replace(ctx.cfg.data, version=ctx.pinned.version)
     return dataclasses.replace(ctx.cfg, run_name=ctx.run_name, data=data)
 
 
@@ -249,8 +272,9 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
     from composer.utils import dist
 
     dist.initialize_dist(ctx.device)
+    streams = streams_to_streaming(ctx.streams, cfg.data.download_timeout) if ctx.streams else None
     dataloader = build_dataloader(
-        cfg.data, ctx.pinned, ctx.batching.per_rank_batch, cfg.seed, cfg.model.num_train_timesteps
+        cfg.data, ctx.pinned, ctx.batching.per_rank_batch, cfg.seed, cfg.model.num_train_timesteps, streams
     )
     # Composer loads load_path inside Trainer(): safely (a checkpoint is data), in the format this run writes.
     checkpoint_format = cfg.resolved_checkpoint_format(ctx.batching.world_size)
@@ -270,7 +294,11 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
             schedulers=build_schedulers(cfg),
             step_schedulers_every_batch=True,
             algorithms=build_algorithms(ctx),
-            callbacks=[monitor, *build_callbacks(ctx, model, saves=monitor)],
+            callbacks=[
+                monitor,
+                *build_callbacks(ctx, model, saves=monitor),
+                *stream_callbacks(ctx, dataloader),
+            ],
             loggers=build_loggers(ctx),
             run_name=ctx.run_name,
             progress_bar=False,

@@ -171,3 +171,16 @@ def test_gpu_bench_uses_bf16_and_reports_mfu(tmp_path: Path) -> None:
     assert positive(result["train"]["256"]["images_per_s_per_device"])
     if result["peak_tflops"] is not None:  # a GPU in shared/estimate's table
         assert positive(result["train"]["256"]["mfu"])
+
+
+def test_bench_compares_the_loader_with_plain_streaming(bench_run: tuple[dict[str, Any], Path]) -> None:
+    """Issue 24: train's loader against plain StreamingDataset over the same shards, one stream and a mix."""
+    result, _ = bench_run
+    peer = result["loader_vs_streaming"]
+    assert [peer[k]["streams"] for k in ("one_stream", "two_streams")] == [1, 2]
+    for run in peer.values():
+        assert positive(run["images_per_s"]) and positive(run["plain_streaming_images_per_s"])
+        assert run["vs_plain_streaming"] == pytest.approx(
+            run["images_per_s"] / run["plain_streaming_images_per_s"]
+        )
+    assert any("train loader vs plain StreamingDataset" in line for line in result["findings"])

@@ -18,6 +18,7 @@ from train.config import DataConfig
 from train.data.draws import DRAW_COLUMNS
 from train.data.loader import (
     SAMPLE_SEED,
+    STREAM_INDEX,
     TRAIN_COLUMNS,
     DataError,
     build_dataset,
@@ -81,7 +82,9 @@ def test_rows_hold_only_precomputed_columns_and_a_stable_seed(tiny_dataset: str,
     again, _ = seeds_and_rows(tmp_path / "b")
     # TRAIN_COLUMNS holds both text columns; an embeddings dataset's rows carry TEXT_EMBEDDING only.
     stored = set(TRAIN_COLUMNS) - {TEXT_TOKENS}
-    assert set(row) == {*stored, SAMPLE_SEED, *DRAW_COLUMNS}  # draws: train/data/draws.py
+    # draws: train/data/draws.py; stream_index: which data.streams stream (always 0 for one dataset)
+    assert set(row) == {*stored, SAMPLE_SEED, *DRAW_COLUMNS, STREAM_INDEX}
+    assert row[STREAM_INDEX] == 0
     assert row[LATENT_MEAN].dtype == torch.float16 and tuple(row[LATENT_MEAN].shape) == (4, 8, 8)
     assert tuple(row[TEXT_EMBEDDING].shape) == (77, 32)
     assert len(first) == 64 and len(set(first)) == 64 and first == again

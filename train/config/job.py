@@ -1,0 +1,187 @@
+"""The train job's config: `TrainConfig`, made of the sections in data.py and sections.py."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from shared import storage
+from shared.config import ConfigError
+from shared.manifest import fingerprint
+from shared.presets import get_preset
+from train.config.checks import (
+    _INTERVAL_UNITS,
+    Device,
+    Precision,
+    check_time_string,
+    time_count,
+)
+from train.config.data import DataConfig
+from train.config.sections import (
+    EMAConfig,
+    EvalConfig,
+    LogConfig,
+    ModelConfig,
+    OptimizerConfig,
+    ResilienceConfig,
+    SamplesConfig,
+    check_eval,
+)
+
+
+@dataclass
+class TrainConfig:
+    name: str = "train"
+    # A stable id for autoresume; "": <name>-<hash of save_folder>, so rerunning the same command finds it.
+    run_name: str = ""
+    seed: int = 17
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    ema: EMAConfig = field(default_factory=EMAConfig)
+    samples: SamplesConfig = field(default_factory=SamplesConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    resilience: ResilienceConfig = field(default_factory=ResilienceConfig)
+    global_batch_size: int = 2048
+    device_microbatch_size: int = 4
+    max_duration: str = "1ep"
+    device: Device = "auto"
+    precision: Precision = "auto"  # auto: amp_bf16 on GPU, fp32 on CPU
+    # Shard with FSDP (Composer's FSDP, use_orig_params). GPUs in production; on CPU ranks (gloo) it runs
+    # when asked for explicitly, which is how the test suite runs the sharded path (docs/gpu-path.md).
+    fsdp: bool = False
+    fsdp_sharding_strategy: Literal["SHARD_GRAD_OP", "FULL_SHARD", "NO_SHARD"] = "SHARD_GRAD_OP"
+    # dtype FSDP reduce-scatters gradients in: fp32 (exact sums, 4 bytes per parameter per microbatch) or
+    # bf16 (half the bytes; sums over many ranks lose precision). Params are gathered in `precision`'s dtype.
+    fsdp_reduce_dtype: Literal["fp32", "bf16"] = "fp32"
+    # Under FSDP with several microbatches per step: accumulate unsharded gradients locally (FSDP's
+    # no_sync) and all-gather / reduce-scatter once per step instead of once per microbatch. Costs one
+    # unsharded gradient of the model per rank, accumulated in the gathered params' dtype (bf16 under
+    # amp_bf16); false: reduce every microbatch in fsdp_reduce_dtype (docs/gpu-tests.md, "Accumulation").
+    fsdp_no_sync: bool = True
+    # torch.compile the U-Net (only the U-Net, in place: parameter names stay the same;
+    # train/model/assemble.py).
+    compile: bool = False
+    # U-Net inputs (and, without FSDP, weights) in NHWC layout, which cuDNN convolutions run natively.
+    # null: on for GPU runs, off on CPU (logged); true / false: as asked, CPU included (the tests run the GPU
+    # layout on CPU ranks). Under FSDP the weights stay NCHW inside the flat parameters, because torch 2.7's
+    # sharded optimizer state and the sharded EMA index them row-major (docs/gpu-path.md). `make bench`
+    # builds its model through the same switch.
+    channels_last: bool | None = None
+    # Checkpoints: a local folder or s3://bucket/prefix.
+    save_folder: str = ""
+    # How a checkpoint is written. full: every weight, the EMA and AdamW state are gathered onto rank 0,
+    # which writes one .pt (~14 GB for SD2-base, at one node's write bandwidth). sharded: every rank writes
+    # its own part in parallel into a folder per checkpoint (train/checkpoints/sharded.py); Composer writes
+    # those only under FSDP. auto: sharded when fsdp=true on more than one rank, else full. Either format
+    # resumes on any rank count, and a run resuming the other format converts it once at start.
+    checkpoint_format: Literal["auto", "full", "sharded"] = "auto"
+    save_interval: str = "2500ba"
+    # Also save when this many minutes passed since the last save (whichever comes first); null: batches only.
+    # Bounds the work an interruption loses in minutes whatever the step time.
+    save_interval_minutes: float | None = None
+    save_num_checkpoints_to_keep: int = -1  # local copies kept (-1: all)
+    # Checkpoints kept in an s3:// save_folder (-1: all). Composer never deletes remote checkpoints; an
+    # SD2-base checkpoint with EMA and AdamW state is ~14 GB, so a long run keeps a few.
+    save_num_remote_checkpoints_to_keep: int = -1
+    # Continue from the latest checkpoint in save_folder when there is one (else start / load load_path).
+    autoresume: bool = True
+    # A checkpoint file or a save folder (-> its latest) to start from when there is nothing to autoresume.
+    load_path: str | None = None
+    # Phase handoff: take only the weights (EMA weights, see train/ema/algorithm.py) with a fresh
+    # optimizer/schedule.
+    load_weights_only: bool = False
+
+    def __post_init__(self) -> None:
+        self._check_model()
+        self._check_times()
+        self._check_batching()
+        check_eval(self.eval, self.model.num_train_timesteps)
+        if not self.save_folder:
+            raise ConfigError("save_folder is empty: set it in the train YAML or pass save_folder=...")
+        if self.load_weights_only and not self.load_path:
+            raise ConfigError("load_weights_only=true needs load_path=<checkpoint file or save folder>")
+        if self.save_interval_minutes is not None and self.save_interval_minutes <= 0:
+            raise ConfigError(
+                f"save_interval_minutes must be > 0 (or null), got {self.save_interval_minutes}"
+            )
+        if self.save_num_remote_checkpoints_to_keep == 0 or self.save_num_remote_checkpoints_to_keep < -1:
+            raise ConfigError(
+                "save_num_remote_checkpoints_to_keep must be >= 1 (the newest checkpoints kept) or -1 (all), "
+                f"got {self.save_num_remote_checkpoints_to_keep}"
+            )
+        if self.checkpoint_format == "sharded" and not self.fsdp:
+            raise ConfigError(
+                "checkpoint_format=sharded needs fsdp=true (Composer writes sharded checkpoints only under "
+                "its FSDP); pass fsdp=true, or checkpoint_format=auto / full"
+            )
+        if self.device == "cpu" and self.precision.startswith("amp"):
+            raise ConfigError(f"precision={self.precision} needs a GPU; CPU training runs precision=fp32")
+
+    def _check_model(self) -> None:
+        try:
+            get_preset(self.model.preset).latent_shape(self.data.resolution)
+        except ValueError as err:  # unknown preset, or a resolution the VAE cannot downsample evenly
+            raise ConfigError(f"model.preset / data.resolution: {err}") from err
+        model = self.model
+        if model.zero_terminal_snr and model.prediction_type != "v_prediction":
+            raise ConfigError(
+                "model.zero_terminal_snr=true gives the last timestep zero signal, which epsilon prediction "
+                "cannot learn; set model.prediction_type=v_prediction"
+            )
+        if not 0.0 <= model.caption_dropout < 1.0:
+            raise ConfigError(f"model.caption_dropout must be in [0, 1), got {model.caption_dropout}")
+        if model.min_snr_gamma is not None and model.min_snr_gamma <= 0:
+            raise ConfigError(
+                f"model.min_snr_gamma must be > 0 (e.g. 5.0) or null, got {model.min_snr_gamma}"
+            )
+        if not 0.0 < self.ema.smoothing < 1.0:
+            raise ConfigError(f"ema.smoothing must be in (0, 1), e.g. 0.9999; got {self.ema.smoothing}")
+
+    def _check_times(self) -> None:
+        self.max_duration = check_time_string(self.max_duration, "max_duration")
+        self.save_interval = check_time_string(self.save_interval, "save_interval", _INTERVAL_UNITS)
+        self.optimizer.warmup = check_time_string(self.optimizer.warmup, "optimizer.warmup")
+        self.ema.start = check_time_string(self.ema.start, "ema.start", ("ba", "ep", "dur"))
+        self.ema.update_interval = check_time_string(self.ema.update_interval, "ema.update_interval", ("ba",))
+        self.samples.interval = check_time_string(self.samples.interval, "samples.interval", _INTERVAL_UNITS)
+        self.log.console_interval = check_time_string(
+            self.log.console_interval, "log.console_interval", ("ba",)
+        )
+        if time_count(self.ema.update_interval) < 1:
+            raise ConfigError("ema.update_interval must be at least 1ba")
+
+    def eval_batch_size(self) -> int:
+        """(sample, timestep) pairs per eval forward on each rank."""
+        return self.eval.batch_size or self.device_microbatch_size
+
+    def _check_batching(self) -> None:
+        if self.global_batch_size < 1 or self.device_microbatch_size < 1:
+            raise ConfigError("global_batch_size and device_microbatch_size must be >= 1")
+        if self.data.num_workers < 0:
+            raise ConfigError("data.num_workers must be >= 0")
+        if self.log.speed_window < 1:
+            raise ConfigError("log.speed_window must be >= 1 (batches averaged for images/s)")
+
+    # ------------------------------------------------------------------------------------ derived values
+    def resolved_run_name(self) -> str:
+        """Stable across reruns of the same command: autoresume looks for this run's checkpoints."""
+        return self.run_name or f"{self.name}-{fingerprint(self.save_folder.rstrip('/'))[:8]}"
+
+    def resolved_checkpoint_format(self, world_size: int) -> Literal["full", "sharded"]:
+        """checkpoint_format with auto decided: sharded under FSDP on more than one rank (where a full
+        checkpoint would funnel ~14 GB through rank 0 at every save), else full."""
+        if self.checkpoint_format != "auto":
+            return self.checkpoint_format
+        return "sharded" if self.fsdp and world_size > 1 else "full"
+
+    def save_is_remote(self) -> bool:
+        return storage.is_s3(self.save_folder)
+
+    def ema_update_every(self) -> int:
+        return time_count(self.ema.update_interval)
+
+    def ema_smoothing_per_update(self) -> float:
+        """Per-update smoothing that keeps ema.smoothing's half-life in optimizer steps."""
+        return self.ema.smoothing ** self.ema_update_every()

@@ -1,0 +1,198 @@
+"""Several encoded datasets in one run (`data.streams`): each pinned, checked and leased as one dataset is,
+then mixed by Streaming's `Stream` weights (proportion / repeat / choose) in one StreamingDataset.
+
+What this adds to Streaming (docs/dataset-mixing.md):
+- every stream is read through its own manifest and pinned version (train/data/loader.py `pin_version`), so
+  each keeps its fingerprint, version and lease; the mix itself is fingerprinted (`mix_record`) and kept in
+  every checkpoint, because Streaming's resume state holds only (epoch, sample in epoch) and would silently
+  continue a changed mix at the same sample count.
+- the samples each stream gives per epoch are computed here without Streaming (`epoch_counts`, the same
+  arithmetic as `streaming.Stream.apply_weights`), so the launch planner counts them before any job runs.
+- the streams must share one encoder identity: the model takes its empty-caption embedding, scale factor and
+  text encoder from one manifest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from shared.contract import ContractError
+from shared.manifest import DatasetManifest, fingerprint, read_manifest
+from train.config import DataConfig, StreamConfig
+
+if TYPE_CHECKING:  # the loader imports torch; the launch planner imports this module without it
+    from train.data.loader import PinnedData
+
+log = logging.getLogger(__name__)
+
+_MB = 1e6
+
+
+@dataclass(frozen=True)
+class PinnedStream:
+    """One stream of a mix: its config (name and weight) and its pinned dataset version."""
+
+    name: str
+    cfg: StreamConfig
+    pinned: PinnedData
+
+    def record(self) -> dict[str, Any]:
+        """What a checkpoint remembers about this stream (the one-dataset record plus name and weight)."""
+        weight = self.cfg.weight()
+        return {"name": self.name, **self.pinned.record(), "weight": list(weight) if weight else None}
+
+
+# ---------------------------------------------------------------------------------------- manifests
+def stream_data_config(cfg: DataConfig, stream: StreamConfig) -> DataConfig:
+    """The one-dataset DataConfig of a stream (same resolution, cache root and loader settings)."""
+    return dataclasses.replace(cfg, uri=stream.uri, version=stream.version, streams=[])
+
+
+def read_stream_manifests(cfg: DataConfig) -> list[tuple[str, DatasetManifest]]:
+    """(name, manifest) of every stream, at its pinned or current version."""
+    return [(s.resolved_name(), read_manifest(s.uri.rstrip("/"), s.version)) for s in cfg.streams]
+
+
+def check_same_encoders(manifests: list[tuple[str, DatasetManifest]]) -> None:
+    """Refuse a stream whose latents or text came from other encoders than the first stream's: the model
+    is built from one manifest (empty-caption embedding, scale factor, text encoder)."""
+    first_name, first = manifests[0]
+    want = _encoder_facts(first)
+    for name, manifest in manifests[1:]:
+        have = _encoder_facts(manifest)
+        for key in want:
+            if have[key] != want[key]:
+                raise ContractError(
+                    f"data.streams: stream {name} was encoded with {key} {have[key]!r} but stream "
+                    f"{first_name} with {want[key]!r}; a mix must share its VAE and text encoder "
+                    "(re-encode one of them with the other's encoder config)"
+                )
+
+
+def _encoder_facts(manifest: DatasetManifest) -> dict[str, Any]:
+    ident = manifest.identity
+    return {
+        "scale factor": float(manifest.scale_factor),
+        "text store mode": ident.text_store,
+        "VAE weights": ident.vae_hash,
+        "text encoder weights": ident.text_hash,
+        "tokenizer": ident.tokenizer_hash,
+        "preset": manifest.preset,
+    }
+
+
+def pin_streams(cfg: DataConfig, manifests: list[tuple[str, DatasetManifest]]) -> list[PinnedStream]:
+    """Pin every stream's version into its own cache folder (after the contract checks)."""
+    from train.data.loader import pin_version
+
+    return [
+        PinnedStream(name, stream, pin_version(stream_data_config(cfg, stream), manifest))
+        for stream, (name, manifest) in zip(cfg.streams, manifests, strict=True)
+    ]
+
+
+# --------------------------------------------------------------------------------------------- record
+def mix_record(cfg: DataConfig, streams: list[PinnedStream]) -> dict[str, Any]:
+    """The checkpoint's `dataset` record for a mix: every stream's record and one fingerprint over what
+    decides the sample order (uris, versions, dataset fingerprints, weights, batching method, epoch size)."""
+    records = [s.record() for s in streams]
+    mix = {
+        "streams": [{k: r[k] for k in ("name", "uri", "version", "fingerprint", "weight")} for r in records],
+        "batching_method": cfg.batching_method,
+        "epoch_size": cfg.epoch_size,
+    }
+    return {
+        "uri": "data.streams: " + ", ".join(f"{r['name']}={r['uri']}" for r in records),
+        "version": ", ".join(f"{r['name']}={r['version']}" for r in records),
+        "resolution": cfg.resolution,
+        "fingerprint": "mix-" + fingerprint(mix)[:16],
+        "num_samples": sum(r["num_samples"] for r in records),
+        "mix": mix,
+        "streams": records,
+    }
+
+
+# ------------------------------------------------------------------------------------- epoch counts
+def epoch_counts(
+    weights: list[tuple[str, float | int] | None], sizes: list[int], epoch_size: int | None, seed: int
+) -> list[int]:
+    """Samples each stream gives per epoch: `streaming.Stream.apply_weights` without building Streaming
+    (tests check the two agree). `seed` is the shuffle seed (it places the rounding shortfall)."""
+    samples = np.array(sizes, np.int64)
+    if any(w is not None and w[0] == "proportion" for w in weights) or (epoch_size and not any(weights)):
+        total = epoch_size or int(samples.sum())
+        share = (
+            np.array([w[1] for w in weights], np.float64)  # type: ignore[index]
+            if any(weights)
+            else samples.astype(np.float64)
+        )
+        share /= share.sum()
+        chosen = (total * share).astype(np.int64)
+        shortfall = total - chosen.sum()
+        chosen[np.random.default_rng(seed).choice(len(sizes), shortfall, False)] += 1
+        return [int(c) for c in chosen]
+    out = []
+    for weight, size in zip(weights, sizes, strict=True):
+        if weight is None:
+            out.append(int(size))
+        elif weight[0] == "repeat":
+            out.append(int(weight[1] * size))
+        else:
+            out.append(int(weight[1]))
+    return out
+
+
+def streams_to_streaming(streams: list[PinnedStream], download_timeout: float) -> list[Any]:
+    """Streaming `Stream`s over the pinned remotes and private cache folders, with their weights."""
+    from streaming import Stream
+
+    from shared.contract import SHARD_HASH
+
+    out = []
+    for stream in streams:
+        weight = stream.cfg.weight()
+        p = stream.pinned
+        out.append(
+            Stream(
+                remote=p.remote,
+                local=p.local,
+                download_timeout=download_timeout,
+                validate_hash=SHARD_HASH if p.hashed else None,
+                **({weight[0]: weight[1]} if weight else {}),
+            )
+        )
+    return out
+
+
+# ------------------------------------------------------------------------------------------ planner
+def plan_lines(cfg: DataConfig, seed: int) -> list[str]:
+    """For `train launch --dry-run`: the epoch size, and per stream its samples, stored bytes and the
+    samples and bytes it gives per epoch (read from each manifest; unreadable data says so)."""
+    streams = cfg.streams or [StreamConfig(uri=cfg.uri, version=cfg.version)]
+    try:
+        manifests = [read_manifest(s.uri.rstrip("/"), s.version) for s in streams]
+        infos = [m.resolutions[cfg.resolution] for m in manifests]
+    except Exception as err:  # best effort, like the text.store line (S3 errors are not all OSError)
+        return [f"data: counts unavailable ({type(err).__name__}: {err})"]
+    sizes = [i.num_samples for i in infos]
+    counts = epoch_counts([s.weight() for s in streams], sizes, cfg.epoch_size, seed)
+    total = sum(counts) or 1
+    lines = [
+        f"data: {len(streams)} stream(s) at {cfg.resolution} px, epoch {sum(counts)} samples"
+        + (f" (batching {cfg.batching_method})" if cfg.streams else "")
+    ]
+    for stream, manifest, info, count in zip(streams, manifests, infos, counts, strict=True):
+        per_sample = info.bytes / max(info.num_samples, 1)
+        weight = stream.weight()
+        lines.append(
+            f"  {stream.resolved_name()} (version {manifest.version}): {info.num_samples} samples, "
+            f"{info.bytes / _MB:.1f} MB stored; {count} per epoch ({100 * count / total:.1f}%"
+            + (f", {weight[0]} {weight[1]}" if weight else "")
+            + f"), {count * per_sample / _MB:.1f} MB read per epoch"
+        )
+    return lines
