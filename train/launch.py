@@ -112,7 +112,7 @@ def plan_train(
     plan.estimate = run_estimate_line(cfg, topology.world_size, gpu_type)
     plan.reference.append(estimate_line(topology.world_size, gpu_type))
     plan.cluster, notes = cluster_lines(cfg, topology, plan.batching, write_gb_per_s)
-    first_uri = cfg.data.uri or cfg.data.streams[0].uri
+    first_uri = cfg.data.streams[0].uri if cfg.data.streams else cfg.data.uri  # "" until data.uri is given
     text_store = dataset_text_store_line(topology.world_size, gpu_type, first_uri)
     if cfg.model.preset == REFERENCE_PRESET:
         plan.cluster.append(text_store)

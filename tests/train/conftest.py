@@ -299,3 +299,21 @@ def demo_run(tmp_path_factory: pytest.TempPathFactory) -> DemoRun:
     result = run_make(cwd, "demo")
     assert result.returncode == 0, result.stdout[-3000:]
     return DemoRun(cwd, result.stdout)
+
+
+@pytest.fixture
+def one_rank_group(tmp_path: Path) -> Iterator[None]:
+    """A 1-rank gloo default process group for in-process FSDP. An earlier in-process Composer run keeps
+    its default group for the life of the pytest process: reuse it then (it is one gloo rank too) rather than
+    fail on a second init, and leave it as found."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        assert dist.get_world_size() == 1, "an in-process test left a multi-rank process group behind"
+        yield
+        return
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg-store'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

@@ -331,18 +331,21 @@ def build_dataloader(
 
 
 def _packed_loader_class() -> type:
+    import torch
     from streaming import StreamingDataLoader
 
     class PackedStreamingDataLoader(StreamingDataLoader):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
-            # Samples handed to the trainer per stream since this process started (host-side counts).
-            self.stream_taken = np.zeros(self.dataset.num_streams, np.int64)
+            # Samples handed to the trainer per stream since this process started. Counted with torch ops on
+            # the host batch: no `.numpy()` / `.tolist()` per step (train/bench/syncs.py counts those as
+            # read-backs; StreamSampleCounts reads these only at log and checkpoint steps).
+            self.stream_taken = torch.zeros(self.dataset.num_streams, dtype=torch.int64)
 
         def __iter__(self) -> Iterator[Any]:
             for batch in super().__iter__():
                 ids = packing.unpack(batch)[STREAM_INDEX]
-                self.stream_taken += np.bincount(ids.numpy(), minlength=len(self.stream_taken))
+                self.stream_taken += torch.bincount(ids.long(), minlength=len(self.stream_taken))
                 yield batch
 
         def _get_batch_size(self, batch: Any) -> int:

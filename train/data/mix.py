@@ -173,6 +173,8 @@ def streams_to_streaming(streams: list[PinnedStream], download_timeout: float) -
 def plan_lines(cfg: DataConfig, seed: int) -> list[str]:
     """For `train launch --dry-run`: the epoch size, and per stream its samples, stored bytes and the
     samples and bytes it gives per epoch (read from each manifest; unreadable data says so)."""
+    if not cfg.streams and not cfg.uri:
+        return ["data: counts unavailable (no data.uri given yet)"]
     streams = cfg.streams or [StreamConfig(uri=cfg.uri, version=cfg.version)]
     try:
         manifests = [read_manifest(s.uri.rstrip("/"), s.version) for s in streams]

@@ -42,8 +42,7 @@ class StreamSampleCounts(Callback):
         return dict(zip(self.names, (int(v) for v in self.synced), strict=True))
 
     def _sync(self) -> None:
-        local = np.asarray(self.loader.stream_taken, np.int64)
-        gathered = dist.all_gather_object(local.tolist())
+        gathered = dist.all_gather_object(self.loader.stream_taken.tolist())
         self.synced = self.base + np.sum(np.asarray(gathered, np.int64), axis=0)
 
     def batch_end(self, state: State, logger: Logger) -> None:

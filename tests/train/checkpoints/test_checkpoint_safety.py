@@ -22,6 +22,9 @@ from train.checkpoints.files import LATEST_NAME, SYMLINK_SUFFIX, UnsafeCheckpoin
 from train.loop.trainer import fit
 
 CLI_TIMEOUT_S = 300
+# Past the batch the planted checkpoints are named after (ba99, ba4): a run that had reached max_duration
+# is told so from the name alone (train/loop/prepare.py check_not_finished) before anything is loaded.
+PAST_THE_NAMED_BATCH = "max_duration=200ba"
 
 
 class CreatesMarker:
@@ -58,7 +61,7 @@ def test_hostile_local_latest_stops_the_cli_and_stays_latest(tiny_dataset: str, 
     evil = save / "ep9-ba99-rank0.pt"
     before = write_hostile_checkpoint(evil, marker)
     os.symlink(evil.name, save / LATEST_NAME)
-    args = ["fit", "tiny", *tiny_overrides(tiny_dataset, save, tmp_path / "cache", "max_duration=2ba")]
+    args = ["fit", "tiny", *tiny_overrides(tiny_dataset, save, tmp_path / "cache", PAST_THE_NAMED_BATCH)]
     proc = run_train_cli(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     out, _ = proc.communicate(timeout=CLI_TIMEOUT_S)
     assert proc.returncode != 0, out
@@ -81,7 +84,7 @@ def test_hostile_s3_latest_is_refused_and_left_alone(
     pointer = f"{save}/{LATEST_NAME}{SYMLINK_SUFFIX}"
     storage.write_bytes(pointer, f"{prefix}/ep9-ba99-rank0.pt".encode())
     cfg = tiny_config(
-        tiny_dataset, save, tmp_path / "cache", "max_duration=2ba", f"log.local_dir={tmp_path / 'local'}"
+        tiny_dataset, save, tmp_path / "cache", PAST_THE_NAMED_BATCH, f"log.local_dir={tmp_path / 'local'}"
     )
     with pytest.raises(UnsafeCheckpointError, match=re.escape(f"{save}/ep9-ba99-rank0.pt")):
         fit(cfg)
@@ -141,7 +144,7 @@ def test_a_truncated_checkpoint_is_refused_naming_it(tiny_dataset: str, tmp_path
     save.mkdir()
     (save / "ep1-ba4-rank0.pt").write_bytes(b"PK\x03\x04 truncated")
     os.symlink("ep1-ba4-rank0.pt", save / LATEST_NAME)
-    cfg = tiny_config(tiny_dataset, save, tmp_path / "cache", "max_duration=2ba")
+    cfg = tiny_config(tiny_dataset, save, tmp_path / "cache", PAST_THE_NAMED_BATCH)
     with pytest.raises(UnsafeCheckpointError, match=re.escape("ep1-ba4-rank0.pt")):
         fit(cfg)
     assert os.readlink(save / LATEST_NAME) == "ep1-ba4-rank0.pt"

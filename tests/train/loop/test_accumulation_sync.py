@@ -5,31 +5,24 @@ tests/train/bench/test_bench_scale_counters.py."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.fsdp import FullyShardedDataParallel
 
 from train.loop.step import LeanTrainer, accumulation_sync, fsdp_roots
 
 
 @pytest.fixture
-def model(tmp_path: Path) -> Iterator[torch.nn.Module]:
+def model(one_rank_group: None) -> torch.nn.Module:
     """A ComposerModel-like parent whose children are FSDP roots (as Composer 0.32 wraps them); 1 rank."""
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    try:
-        parent = torch.nn.Module()
-        parent.unet = FullyShardedDataParallel(torch.nn.Linear(4, 4), device_id=torch.device("cpu"))
-        frozen = torch.nn.Linear(4, 4).requires_grad_(False)
-        parent.text = FullyShardedDataParallel(frozen, device_id=torch.device("cpu"))
-        parent.head = torch.nn.Linear(4, 1)  # not wrapped: not a root
-        yield parent
-    finally:
-        dist.destroy_process_group()
+    parent = torch.nn.Module()
+    parent.unet = FullyShardedDataParallel(torch.nn.Linear(4, 4), device_id=torch.device("cpu"))
+    frozen = torch.nn.Linear(4, 4).requires_grad_(False)
+    parent.text = FullyShardedDataParallel(frozen, device_id=torch.device("cpu"))
+    parent.head = torch.nn.Linear(4, 1)  # not wrapped: not a root
+    return parent
 
 
 def syncing(root: FullyShardedDataParallel) -> bool:

@@ -11,12 +11,8 @@ of inductor: which graphs dynamo makes does not depend on the backend).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import pytest
 import torch
-import torch.distributed as dist
 from torch._dynamo.testing import CompileCounter
 from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
 from torch.distributed.fsdp.wrap import CustomPolicy
@@ -31,15 +27,6 @@ from train.model.kernels import (
     max_graphs_under_fsdp,
     unit_instances,
 )
-
-
-@pytest.fixture
-def one_rank_group(tmp_path: Path) -> Iterator[None]:
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def fsdp_per_block(unet: torch.nn.Module) -> FullyShardedDataParallel:
