@@ -69,6 +69,7 @@ from shared.launch.steps import build_steps
 from shared.launch.supervisor import Supervision
 from train.config import TrainConfig, time_count
 from train.data.mix import plan_lines
+from train.eval.cost import plan_line as eval_plan_line
 from train.resilience.plan import RunShape, exit_lead_s, resilience_lines, total_steps
 
 DEFAULT_GPU_TYPE = "A100-40GB"  # the planner's reference GPU (jobs/estimate/sd2-base.yaml)
@@ -123,6 +124,9 @@ def plan_train(
     shape = run_shape(cfg, topology, write_gb_per_s)
     lead = exit_lead_s(cfg, shape.save_s)
     plan.cluster += resilience_lines(cfg, shape, lead)
+    eval_line = eval_plan_line(cfg, topology.world_size, plan.batching.per_rank_batch)
+    if eval_line:
+        plan.cluster.append(eval_line)
     return plan
 
 

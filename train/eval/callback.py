@@ -24,8 +24,9 @@ from shared.encoders import EMBEDDINGS
 from train.config import EvalConfig
 from train.data.loader import PinnedData
 from train.ema.algorithm import find_ema
+from train.eval.cost import num_batches
 from train.eval.data import EvalRows, rows_for_rank
-from train.eval.heldout import heldout_sums, loss_metrics, num_batches, rank_pairs
+from train.eval.heldout import heldout_sums, loss_metrics, rank_pairs
 from train.export.samples import use_ema_weights
 from train.model.diffusion import DenoiseInput, Objective
 
@@ -145,22 +146,11 @@ def console_line(batch: int, metrics: dict[str, Any], seconds: float, forwards: 
 def log_cost(cfg: Any) -> None:
     """What the eval costs, said once at start (the plan's step budget includes it)."""
     from shared.batching import derive_batching
-    from train.config import time_count
-    from train.eval.heldout import forwards_per_eval, overhead
+    from train.eval.cost import plan_line
 
-    world, batch = dist.get_world_size(), cfg.eval_batch_size()
+    world = dist.get_world_size()
     per_rank = derive_batching(cfg.global_batch_size, world, cfg.device_microbatch_size).per_rank_batch
-    every = time_count(cfg.eval.interval) if cfg.eval.interval.endswith("ba") else 0
-    share = (
-        f", {100 * overhead(cfg.eval, world, batch, per_rank, every):.2f}% of the training compute"
-        if every
-        else ""
-    )
-    log.info(
-        "held-out eval: %d samples x %d timesteps every %s, %d forwards of %d per rank (EMA and training "
-        "weights)%s", cfg.eval.num_samples, len(cfg.eval.timesteps), cfg.eval.interval,
-        forwards_per_eval(cfg.eval, world, batch), batch, share,
-    )  # fmt: skip
+    log.info("%s", plan_line(cfg, world, per_rank))
 
 
 def build_heldout_eval(cfg: Any, objective: Objective, local_dir: str = "") -> HeldOutEval:

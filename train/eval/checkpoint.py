@@ -25,8 +25,9 @@ from train.checkpoints.files import fetched_checkpoint, resolve_checkpoint
 from train.checkpoints.sharded import read_full_checkpoint
 from train.config import EvalConfig, ModelConfig, check_eval
 from train.ema.algorithm import select_unet_weights
+from train.eval.cost import num_batches
 from train.eval.data import pin_eval_data, rows_for_rank
-from train.eval.heldout import heldout_sums, loss_metrics, num_batches, rank_pairs
+from train.eval.heldout import heldout_sums, loss_metrics, rank_pairs
 from train.export.pipeline import ExportError, run_record_of
 from train.model.diffusion import Objective
 from train.model.online_text import online_text_for

@@ -14,7 +14,6 @@ Per-timestep sums and counts are all-reduced once, in float64.
 from __future__ import annotations
 
 import hashlib
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -56,25 +55,6 @@ def rank_pairs(rows: EvalRows, timesteps: list[int], batch: int, num_batches: in
     total = batch * num_batches
     pairs += [Pair(0, timesteps[0], 0.0) for _ in range(total - len(pairs))]
     return [pairs[i : i + batch] for i in range(0, total, batch)]
-
-
-def num_batches(cfg: EvalConfig, world: int, batch: int) -> int:
-    """Forwards per rank: the busiest rank's pair count over the batch size (the same on every rank)."""
-    per_rank = math.ceil(cfg.num_samples / world) * len(cfg.timesteps)
-    return math.ceil(per_rank / batch)
-
-
-def forwards_per_eval(cfg: EvalConfig, world: int, batch: int) -> int:
-    """U-Net forwards one eval costs each rank, for both weight sets (EMA and training)."""
-    return 2 * num_batches(cfg, world, batch)
-
-
-def overhead(cfg: EvalConfig, world: int, batch: int, per_rank_batch: int, interval_batches: int) -> float:
-    """An eval's U-Net work over the training work between two evals, per rank: eval forwards count as 1,
-    a training sample as 3 (forward + backward). Defaults (2048 samples x 5 timesteps every 5000 batches):
-    ~0.07% at any rank count (both grow with the global batch)."""
-    eval_samples = forwards_per_eval(cfg, world, batch) * batch
-    return eval_samples / (3 * per_rank_batch * interval_batches)
 
 
 def build_inputs(

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,8 +17,9 @@ from shared.contract import LATENT_LOGVAR, LATENT_MEAN, TEXT_EMBEDDING
 from tests.train.conftest import REPO_ROOT, TinyRun, tiny_config
 from train.config import EvalConfig, ModelConfig
 from train.eval.checkpoint import eval_config, evaluate_checkpoint
+from train.eval.cost import num_batches
 from train.eval.data import EvalRows, rank_indices
-from train.eval.heldout import heldout_sums, loss_metrics, num_batches, pair_noise, rank_pairs
+from train.eval.heldout import heldout_sums, loss_metrics, pair_noise, rank_pairs
 from train.model.diffusion import Objective
 
 RTOL = 1e-5  # the same pairs in other batch compositions: float rounding of batched convolutions only
@@ -138,9 +140,24 @@ def test_the_noise_depends_on_seed_sample_and_timestep_only() -> None:
 
 
 def test_the_cost_is_a_small_share_of_training() -> None:
-    from train.eval.heldout import forwards_per_eval, overhead
+    from train.eval.cost import forwards_per_eval, overhead
 
     cfg = EvalConfig(uri="x")  # 2048 samples x 5 timesteps every 5000 batches
     assert forwards_per_eval(cfg, world=8, batch=4) == 2 * (256 * 5) // 4
     for world, per_rank in ((8, 256), (256, 8)):  # SD2's global batch of 2048 on 8 or 256 GPUs
         assert overhead(cfg, world, 4, per_rank, 5000) == pytest.approx(2 * 2048 * 5 / (3 * 2048 * 5000))
+
+
+def test_the_dry_run_plan_prices_the_eval(tmp_path: Path) -> None:
+    """The eval's share of the step budget is in the launch plan (train/eval/cost.py), not only the log."""
+    from shared.launch.plan import LaunchOptions
+    from train.launch import plan_train
+
+    save = f"save_folder={tmp_path / 'save'}"
+    with_eval = plan_train(
+        "sd2-base-256", [save, "eval.uri=s3://bucket/coco-val"], LaunchOptions(256, "slurm")
+    )
+    line = next(line for line in with_eval.cluster if line.startswith("held-out eval:"))
+    assert "2048 samples x 5 timesteps every 5000ba" in line and "0.07% of the training compute" in line
+    without = plan_train("sd2-base-256", [save], LaunchOptions(256, "slurm"))
+    assert not any(line.startswith("held-out eval:") for line in without.cluster)
