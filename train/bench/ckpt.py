@@ -12,13 +12,11 @@ resume on 1 and 2 ranks, and export.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import statistics
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,17 +24,16 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from composer.core import State
-from composer.core import state as composer_state_module
 from composer.devices import DeviceCPU
 from composer.utils import checkpoint as composer_checkpoint
 from composer.utils.parallelism import FSDPConfig, ParallelismConfig
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
 
 from train.checkpoints.files import CHECKPOINT_FILENAME, SHARDED_METADATA_NAME
 from train.checkpoints.sharded import SHARD_SUFFIX, fsdp_checkpoint_options
 from train.ema.algorithm import HandoffEMA, build_ema
+from train.loop.cpu_fsdp import no_cpu_offload
 
 CKPT_RANKS = 2
 STORE_NAME = "rendezvous"  # a FileStore in the run's own temp folder: no port to pick, nothing shared
@@ -74,23 +71,6 @@ def composer_state(
         if isinstance(algorithm, HandoffEMA):
             algorithm.attach(state)  # what Event.INIT does in a Trainer: the EMA learns the format
     return state
-
-
-@contextlib.contextmanager
-def no_cpu_offload() -> Iterator[None]:
-    """Composer gathers FSDP state dicts with `cpu_offload=True`. With the model already on CPU that
-    "offload" is a no-op, and a full state dict then clones views of FSDP's freed unsharded parameters
-    (a segfault in torch 2.7's `_full_post_state_dict_hook`); on CPU there is nothing to offload to."""
-    original = composer_state_module.StateDictOptions
-
-    def options(**kwargs: Any) -> StateDictOptions:
-        return StateDictOptions(**{**kwargs, "cpu_offload": False})
-
-    composer_state_module.StateDictOptions = options  # type: ignore[assignment,misc]
-    try:
-        yield
-    finally:
-        composer_state_module.StateDictOptions = original  # type: ignore[misc]
 
 
 def save_with_composer(state: State, folder: str | Path) -> str | None:

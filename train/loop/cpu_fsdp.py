@@ -13,9 +13,9 @@ all-gathers and reduce-scatters; PyTorch's FSDP takes `device_id=torch.device("c
   or reuses the memory the "copy" still views. Seen on 2 gloo ranks: rank 0 segfaults in `clone()` at every
   full-format save (`FlatParamHandle.to_cpu` frees the gathered flat parameter), and, with that avoided, the
   full optimizer state holds `exp_avg_sq` in place of `exp_avg` for every parameter. With the model on the
-  CPU there is nothing to offload, so a CPU FSDP run gathers with `cpu_offload=False`
-  (`train/bench/ckpt.py` `no_cpu_offload` does the same for the bench). Installed for the rest of the
-  process, as checkpoints are saved during `fit`.
+  CPU there is nothing to offload, so a CPU FSDP run gathers with `cpu_offload=False`: installed for the
+  rest of the process by `composer_fsdp_on_cpu` (checkpoints are saved during `fit`), or for one block by
+  `no_cpu_offload` (the bench's and tests' direct Composer saves).
 GPU runs are untouched by both.
 """
 
@@ -32,6 +32,17 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 def _options_without_offload(**kwargs: Any) -> StateDictOptions:
     return StateDictOptions(**{**kwargs, "cpu_offload": False})
+
+
+@contextlib.contextmanager
+def no_cpu_offload() -> Iterator[None]:
+    """Composer gathers FSDP state dicts without the CPU "offload" inside this block only."""
+    original = composer_state_module.StateDictOptions
+    composer_state_module.StateDictOptions = _options_without_offload  # type: ignore[assignment,misc]
+    try:
+        yield
+    finally:
+        composer_state_module.StateDictOptions = original  # type: ignore[misc]
 
 
 @contextlib.contextmanager

@@ -49,7 +49,6 @@ from train.bench.ckpt import (
     fsdp_wrap,
     init_gloo,
     measure_checkpoint_save,
-    no_cpu_offload,
     save_with_composer,
 )
 from train.checkpoints.files import (
@@ -76,6 +75,7 @@ from train.ema.names import EMAStoreMismatchError
 from train.ema.shards import local_layout
 from train.ema.store import NamedEMAStore, cloned_weights
 from train.loop.comm_counter import count_collectives
+from train.loop.cpu_fsdp import no_cpu_offload
 from train.loop.trainer import parallelism_config
 
 RANKS = 2
