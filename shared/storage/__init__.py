@@ -25,6 +25,7 @@ from typing import IO, Any
 
 # Re-exported: callers use `storage.StorageError`, `storage.redact_url`, ... as one API.
 from shared.storage.errors import StorageError as StorageError
+from shared.storage.reads import get_bytes, open_resuming
 from shared.storage.safety import REDACTED as REDACTED
 from shared.storage.safety import contained_path as contained_path
 from shared.storage.safety import private_temp_dir as private_temp_dir
@@ -125,7 +126,7 @@ def read_bytes(uri: str) -> bytes:
             raise FileNotFoundError(f"{uri} does not exist") from err
     bucket, key = split_s3(uri)
     try:
-        return s3_client().get_object(Bucket=bucket, Key=key)["Body"].read()
+        return get_bytes(s3_client(), bucket, key)  # a body that breaks is read again (reads.py)
     except Exception as err:
         if _is_missing(err):
             raise FileNotFoundError(f"{uri} does not exist") from err
@@ -247,7 +248,7 @@ def open_read(uri: str) -> IO[bytes]:
             raise FileNotFoundError(f"{uri} does not exist") from err
     bucket, key = split_s3(uri)
     try:
-        return s3_client().get_object(Bucket=bucket, Key=key)["Body"]
+        return open_resuming(s3_client(), bucket, key)  # resumes where a broken body stopped (reads.py)
     except Exception as err:
         if _is_missing(err):
             raise FileNotFoundError(f"{uri} does not exist") from err
