@@ -4,8 +4,8 @@ Two steps are timed on synthetic inputs of the preset's exact shapes, already on
 measured on its own, in train/bench/data.py):
 - offline: what the train job runs per batch on precomputed latents, on the model the train job builds
   (`train.model.assemble.assemble_model`: same class, layout and compilation from the same TrainConfig):
-  `DiffusionModel` forward (`Objective.prepare` on the per-sample draws the loader delivers) + loss +
-  backward + optimizer step;
+  `DiffusionModel` forward (`Objective.prepare`: the per-sample draws from the batch's seeds, on the
+  device) + loss + backward + optimizer step;
 - online: the baseline without precomputing: VAE-encode the pixel batch and run the text tower on token ids,
   then the same step. Tokenizing stays out (an online pipeline does it in its loader workers).
 
@@ -32,7 +32,7 @@ from shared.presets import Preset, get_preset, random_init
 from shared.runtime import DeviceSetup
 from train.bench.config import StepBenchConfig
 from train.config import TrainConfig
-from train.data.draws import DRAW_COLUMNS, SAMPLE_SEED, attach_draws
+from train.data.draws import SAMPLE_SEED
 from train.loop.trainer import build_optimizer
 from train.model.assemble import assemble_model
 from train.model.diffusion import DiffusionModel
@@ -42,7 +42,6 @@ TERA = 1e12
 # Stored posteriors of a real VAE have log-variances around here; only the shape and dtype matter for speed.
 SYNTHETIC_LOGVAR = -5.0
 SEED_BOUND = 1 << 62  # sample seeds are non-negative 63-bit integers (train/data/loader.py)
-NUM_TIMESTEPS = 1000  # the SD2 schedule's length (model.num_train_timesteps)
 
 
 # ------------------------------------------------------------------------------------------------ timing
@@ -107,10 +106,9 @@ def synthetic_latent_batch(
     batch_size: int,
     setup: DeviceSetup,
     seed: int,
-    num_timesteps: int = NUM_TIMESTEPS,
 ) -> dict[str, torch.Tensor]:
-    """A batch as the loader delivers it (float16 columns, int64 seeds, the per-sample draws), moved to the
-    device like Composer."""
+    """A batch as the loader delivers it (float16 columns, int64 per-sample seeds), moved to the device like
+    Composer."""
     gen = torch.Generator().manual_seed(seed)
     latent = (batch_size, *preset.latent_shape(resolution))
     batch = {
@@ -119,7 +117,7 @@ def synthetic_latent_batch(
         TEXT_EMBEDDING: torch.randn((batch_size, *preset.text_shape()), generator=gen).half(),
         SAMPLE_SEED: torch.randint(0, SEED_BOUND, (batch_size,), generator=gen),
     }
-    return {name: t.to(setup.device) for name, t in attach_draws(batch, num_timesteps).items()}
+    return {name: t.to(setup.device) for name, t in batch.items()}
 
 
 @dataclass
@@ -128,7 +126,7 @@ class PixelBatch:
 
     pixels: torch.Tensor
     token_ids: torch.Tensor
-    draws: dict[str, torch.Tensor]  # seeds and per-sample draws, as an online loader's workers would add
+    draws: dict[str, torch.Tensor]  # the per-sample seeds, as an online loader's workers would add
 
 
 def synthetic_pixel_batch(
@@ -137,13 +135,12 @@ def synthetic_pixel_batch(
     batch_size: int,
     setup: DeviceSetup,
     seed: int,
-    num_timesteps: int = NUM_TIMESTEPS,
 ) -> PixelBatch:
     gen = torch.Generator().manual_seed(seed)
     pixels = torch.rand((batch_size, 3, resolution, resolution), generator=gen) * 2 - 1
     ids = torch.randint(0, int(preset.text["vocab_size"]), (batch_size, preset.text_length), generator=gen)
-    latents = synthetic_latent_batch(preset, resolution, batch_size, setup, seed, num_timesteps)
-    draws = {name: latents[name] for name in (SAMPLE_SEED, *DRAW_COLUMNS)}
+    latents = synthetic_latent_batch(preset, resolution, batch_size, setup, seed)
+    draws = {SAMPLE_SEED: latents[SAMPLE_SEED]}
     pixels = pixels.to(setup.device)
     if setup.channels_last:
         pixels = pixels.contiguous(memory_format=torch.channels_last)
@@ -327,7 +324,6 @@ class StepBench:
         self.setup = setup
         self.model = build_diffusion_model(train_cfg, setup)
         self.optimizer = build_optimizer(train_cfg, self.model)
-        self.num_timesteps = train_cfg.model.num_train_timesteps
         self.encoders = None
         if online:
             vae, text = build_frozen_encoders(self.preset)
@@ -338,11 +334,10 @@ class StepBench:
     ) -> dict[str, Any]:
         setup, model, optimizer = self.setup, self.model, self.optimizer
         batch_size = plan.batch_for(resolution)
-        steps = self.num_timesteps
-        batch = synthetic_latent_batch(self.preset, resolution, batch_size, setup, seed, steps)
+        batch = synthetic_latent_batch(self.preset, resolution, batch_size, setup, seed)
         calls: dict[str, Callable[[], Any]] = {"offline": lambda: train_step(model, optimizer, batch, setup)}
         if self.encoders is not None:
-            inputs = synthetic_pixel_batch(self.preset, resolution, batch_size, setup, seed, steps)
+            inputs = synthetic_pixel_batch(self.preset, resolution, batch_size, setup, seed)
             encoders = self.encoders
             calls["online"] = lambda: online_train_step(model, optimizer, encoders, inputs, setup)
         if setup.device.type == "cuda":
@@ -357,7 +352,7 @@ class StepBench:
             "step": offline.to_json(),
             "tflops_per_s": flops.unet_train_step * rate / TERA,
             "mfu": mfu(flops.unet_train_step, rate, peak),
-            # Objective.prepare: device-side noising of the loader's draws (nothing drawn or copied here)
+            # Objective.prepare: the draws from the batch's seeds and the noising, all on the device
             "prepare": prepare.to_json(),
             "prepare_share_of_step": prepare.median / offline.median,
             "ideal_offline_speedup": flops.ideal_offline_speedup,

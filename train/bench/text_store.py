@@ -51,7 +51,7 @@ def measure_text_store(
 ) -> dict[str, Any]:
     setup, model, optimizer = bench.setup, bench.model, bench.optimizer
     batch_size = plan.batch_for(resolution)
-    stored = synthetic_latent_batch(bench.preset, resolution, batch_size, setup, seed, bench.num_timesteps)
+    stored = synthetic_latent_batch(bench.preset, resolution, batch_size, setup, seed)
     tokens = tokens_batch(stored, int(bench.preset.text["vocab_size"]), bench.preset.text_length, seed)
     calls: dict[str, Callable[[], Any]] = {
         "embeddings": lambda: train_step(model, optimizer, stored, setup),

@@ -33,7 +33,6 @@ import numpy as np
 
 from shared import storage
 from shared.contract import (
-    LATENT_MEAN,
     SHARD_HASH,
     TRAIN_COLUMNS,
     ContractError,
@@ -41,14 +40,13 @@ from shared.contract import (
     check_index,
 )
 from shared.manifest import DatasetManifest, Layout, fingerprint, read_manifest
-from train.config import DataConfig, ModelConfig
+from train.config import DataConfig
 from train.data import packing
-from train.data.draws import SAMPLE_SEED, draw_columns
+from train.data.draws import SAMPLE_SEED
 from train.data.streaming_host import DataError, claim_local_dir, streaming_prefix_lock
 
 log = logging.getLogger(__name__)
 
-NUM_TIMESTEPS = ModelConfig.num_train_timesteps  # the default schedule's length (1000)
 _SEED_MASK = (1 << 63) - 1  # torch.Generator and int64 tensors both take a non-negative 63-bit seed
 _MDS_OFFSET = np.dtype("<u4")  # an MDS shard starts with its sample count, then count + 1 uint32 offsets
 STREAM_INDEX = "stream_index"  # int64 batch column: which stream of data.streams a sample came from (0: one)
@@ -203,11 +201,10 @@ def _streaming_dataset_class() -> type:
         thread failed"; `prepare_shard` keeps the real error so `get_item` raises it.
         """
 
-        def __init__(self, *, seed: int, num_timesteps: int, **kwargs: Any) -> None:
+        def __init__(self, *, seed: int, **kwargs: Any) -> None:
             super().__init__(**kwargs)
             decode_train_columns_only(self.shards)
             self.sample_seed_base = seed
-            self.num_timesteps = num_timesteps
             self.current_epoch = 0
             self.shard_failure: DataError | None = None
 
@@ -246,14 +243,13 @@ def _streaming_dataset_class() -> type:
             # MDS hands out read-only views of the shard; copy so torch owns writable memory.
             # A dataset stores one of the two text columns (text.store): take whichever this one has.
             out = {name: torch.from_numpy(row[name].copy()) for name in TRAIN_COLUMNS if name in row}
-            seed = sample_seed(self.sample_seed_base, self.current_epoch, int(sample_id))
-            out[SAMPLE_SEED] = torch.tensor(seed, dtype=torch.int64)
+            # Python ints are collated into one int64 tensor per batch. The step turns each seed into the
+            # sample's draws on the device (train/data/draws.py).
+            out[SAMPLE_SEED] = sample_seed(self.sample_seed_base, self.current_epoch, int(sample_id))
             # Per-stream sample counts (train/data/stream_counts.py) are taken on the host from this column.
             shard_id, _ = self.spanner[sample_id]
-            out[STREAM_INDEX] = int(self.stream_per_shard[shard_id])  # a Python int: collated in one tensor
-            # Drawn here, in the loader worker, so they reach the step in the pinned batch
-            # (train/data/draws.py).
-            return out | draw_columns(seed, tuple(out[LATENT_MEAN].shape), self.num_timesteps)
+            out[STREAM_INDEX] = int(self.stream_per_shard[shard_id])
+            return out
 
     return LatentStreamingDataset
 
@@ -263,14 +259,13 @@ def build_dataset(
     pinned: PinnedData,
     per_rank_batch: int,
     seed: int,
-    num_timesteps: int = NUM_TIMESTEPS,
     streams: list[Any] | None = None,
 ) -> Any:
-    """The StreamingDataset over the pinned version (remote shards, private local cache); rows carry the
-    per-sample draws for a schedule of `num_timesteps` (model.num_train_timesteps). `streams`: Streaming
-    `Stream`s of a data.streams mix (train/data/mix.py), read instead of `pinned`."""
+    """The StreamingDataset over the pinned version (remote shards, private local cache); rows carry their
+    stored training columns, their sample seed and their stream. `streams`: Streaming `Stream`s of a
+    data.streams mix (train/data/mix.py), read instead of `pinned`."""
     with streaming_prefix_lock():
-        return _new_dataset(cfg, pinned, per_rank_batch, seed, num_timesteps, streams)
+        return _new_dataset(cfg, pinned, per_rank_batch, seed, streams)
 
 
 def _new_dataset(
@@ -278,7 +273,6 @@ def _new_dataset(
     pinned: PinnedData,
     per_rank_batch: int,
     seed: int,
-    num_timesteps: int,
     streams: list[Any] | None,
 ) -> Any:
     cls = _streaming_dataset_class()
@@ -287,7 +281,6 @@ def _new_dataset(
         where = {"streams": streams, "batching_method": cfg.batching_method}
     return cls(
         seed=seed,
-        num_timesteps=num_timesteps,
         **where,
         epoch_size=cfg.epoch_size,
         batch_size=per_rank_batch,
@@ -308,13 +301,12 @@ def build_dataloader(
     pinned: PinnedData,
     per_rank_batch: int,
     seed: int,
-    num_timesteps: int = NUM_TIMESTEPS,
     streams: list[Any] | None = None,
 ) -> Any:
     """A StreamingDataLoader (Composer checkpoints its dataset's position, so resumes are mid-epoch exact)
     whose batches are packed into one buffer each (train/data/packing.py; `packing.unpack` gives the
     columns). It counts the samples it hands out per stream (`stream_taken`)."""
-    dataset = build_dataset(cfg, pinned, per_rank_batch, seed, num_timesteps, streams)
+    dataset = build_dataset(cfg, pinned, per_rank_batch, seed, streams)
     check_one_batch_per_epoch(len(dataset), per_rank_batch, cfg)
     extra: dict[str, Any] = {}
     if cfg.num_workers > 0:
@@ -343,9 +335,13 @@ def _packed_loader_class() -> type:
             self.stream_taken = torch.zeros(self.dataset.num_streams, dtype=torch.int64)
 
         def __iter__(self) -> Iterator[Any]:
+            single = len(self.stream_taken) == 1
             for batch in super().__iter__():
-                ids = packing.unpack(batch)[STREAM_INDEX]
-                self.stream_taken += torch.bincount(ids.long(), minlength=len(self.stream_taken))
+                if single:
+                    self.stream_taken += packing.num_samples(batch)
+                else:
+                    ids = packing.unpack(batch)[STREAM_INDEX]
+                    self.stream_taken += torch.bincount(ids, minlength=len(self.stream_taken))
                 yield batch
 
         def _get_batch_size(self, batch: Any) -> int:

@@ -16,6 +16,7 @@ the batch itself), and `microbatch_transforms` unpacks each microbatch after its
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from typing import Any
@@ -82,18 +83,27 @@ def unpack(batch: dict[str, Any]) -> dict[str, torch.Tensor]:
     if not is_packed(batch):
         return batch
     buffer: torch.Tensor = batch[PACKED]
-    columns = {}
-    for name, dtype, shape, offset in json.loads(batch[LAYOUT]):
+    return {
+        name: buffer[offset : offset + nbytes].view(kind).view(shape)
+        for name, kind, shape, offset, nbytes in parse_layout(batch[LAYOUT])
+    }
+
+
+@functools.lru_cache(maxsize=64)
+def parse_layout(layout: str) -> tuple[tuple[str, torch.dtype, tuple[int, ...], int, int], ...]:
+    """(name, dtype, shape, offset, nbytes) per column. Cached: every full batch of a run has the same
+    layout string, and the main process unpacks each batch it hands out."""
+    columns = []
+    for name, dtype, shape, offset in json.loads(layout):
         kind = getattr(torch, dtype)
-        nbytes = math.prod(shape) * kind.itemsize
-        columns[name] = buffer[offset : offset + nbytes].view(kind).view(shape)
-    return columns
+        columns.append((name, kind, tuple(shape), offset, math.prod(shape) * kind.itemsize))
+    return tuple(columns)
 
 
 def num_samples(batch: Any) -> int:
     """Samples in a packed or unpacked batch, from the layout or the latents' shape (no device access)."""
     if is_packed(batch):
-        for name, _, shape, _ in json.loads(batch[LAYOUT]):
+        for name, _, shape, _, _ in parse_layout(batch[LAYOUT]):
             if name == LATENT_MEAN:
                 return int(shape[0])
         raise ValueError(f"a packed batch without {LATENT_MEAN}")

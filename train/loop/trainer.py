@@ -63,7 +63,10 @@ def run_record(ctx: RunContext, model: DiffusionModel) -> dict[str, Any]:
     manifest = ctx.manifest
     return {
         "run_name": ctx.run_name,
-        "dataset": mix_record(ctx.cfg.data, ctx.streams) if ctx.streams else ctx.pinned.record(),
+        # epoch_size decides the sample order of one dataset too (Streaming over- or under-samples to it)
+        "dataset": mix_record(ctx.cfg.data, ctx.streams)
+        if ctx.streams
+        else ctx.pinned.record() | {"epoch_size": ctx.cfg.data.epoch_size},
         "preset": ctx.cfg.model.preset,
         # JSON round trip: plain dicts/lists only, so the record never needs custom classes to unpickle.
         "unet_config": json.loads(json.dumps(dict(model.unet.config), default=list)),
@@ -273,9 +276,7 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
 
     dist.initialize_dist(ctx.device)
     streams = streams_to_streaming(ctx.streams, cfg.data.download_timeout) if ctx.streams else None
-    dataloader = build_dataloader(
-        cfg.data, ctx.pinned, ctx.batching.per_rank_batch, cfg.seed, cfg.model.num_train_timesteps, streams
-    )
+    dataloader = build_dataloader(cfg.data, ctx.pinned, ctx.batching.per_rank_batch, cfg.seed, streams)
     # Composer loads load_path inside Trainer(): safely (a checkpoint is data), in the format this run writes.
     checkpoint_format = cfg.resolved_checkpoint_format(ctx.batching.world_size)
     # First callback: decides at each step boundary whether to save / stop (train/resilience/monitor.py).

@@ -94,11 +94,11 @@ class Objective:
             self.empty_caption = self.empty_caption.to(device)
 
     def prepare(self, batch: dict[str, torch.Tensor]) -> TrainingInputs:
-        """U-Net inputs from a batch that carries its draws (train/data/draws.py): device work only, no
-        sync."""
+        """U-Net inputs from a batch of stored columns and per-sample seeds; the draws are computed from the
+        seeds on the batch's device (train/data/draws.py): device work only, no sync."""
         mean = batch[LATENT_MEAN]
         self.to_device(mean.device)
-        draws = SampleDraws.from_batch(batch)
+        draws = SampleDraws.from_batch(batch, tuple(mean.shape[1:]), self.num_timesteps)
         latents = self.sample_latents(mean, batch[LATENT_LOGVAR], draws.latent_eps)
         noise = draws.noise
         if self.offset_noise:

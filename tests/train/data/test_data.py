@@ -15,7 +15,6 @@ from shared.contract import LATENT_MEAN, TEXT_EMBEDDING, TEXT_TOKENS
 from shared.manifest import Layout
 from tests.train.conftest import write_fake_dataset
 from train.config import DataConfig
-from train.data.draws import DRAW_COLUMNS
 from train.data.loader import (
     SAMPLE_SEED,
     STREAM_INDEX,
@@ -82,8 +81,8 @@ def test_rows_hold_only_precomputed_columns_and_a_stable_seed(tiny_dataset: str,
     again, _ = seeds_and_rows(tmp_path / "b")
     # TRAIN_COLUMNS holds both text columns; an embeddings dataset's rows carry TEXT_EMBEDDING only.
     stored = set(TRAIN_COLUMNS) - {TEXT_TOKENS}
-    # draws: train/data/draws.py; stream_index: which data.streams stream (always 0 for one dataset)
-    assert set(row) == {*stored, SAMPLE_SEED, *DRAW_COLUMNS, STREAM_INDEX}
+    # the seed of the sample's draws (train/data/draws.py); which data.streams stream (0 for one dataset)
+    assert set(row) == {*stored, SAMPLE_SEED, STREAM_INDEX}
     assert row[STREAM_INDEX] == 0
     assert row[LATENT_MEAN].dtype == torch.float16 and tuple(row[LATENT_MEAN].shape) == (4, 8, 8)
     assert tuple(row[TEXT_EMBEDDING].shape) == (77, 32)

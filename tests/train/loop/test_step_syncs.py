@@ -1,5 +1,6 @@
-"""No host-device syncs in the training step (issue 11.5): the loader brings the per-sample draws, the step
-never reads a tensor back, and the loss is read back only every log.console_interval and before saves.
+"""No host-device syncs in the training step (issue 11.5): the loader brings one seed per sample, the step
+draws from the seeds on the device and never reads a tensor back, and the loss is read back only every
+log.console_interval and before saves.
 
 On CPU nothing really syncs, so these tests count the calls that would sync on a GPU (`.item()`,
 `.tolist()`, `.cpu()`, `bool(t)`, ...; train/bench/syncs.py); tests/train/test_gpu.py checks the same on a
@@ -22,7 +23,7 @@ from tests.train.conftest import tiny_config
 from train.bench.step import synthetic_latent_batch, train_step
 from train.bench.syncs import count_readbacks, step_tracker
 from train.config import DataConfig
-from train.data.draws import DRAW_COLUMNS, MissingDrawsError, draw_columns
+from train.data.draws import MissingDrawsError, draw_for_samples
 from train.data.loader import SAMPLE_SEED, build_dataset, pin_version, read_dataset_manifest
 from train.loop.trainer import build_optimizer, build_trainer
 from train.model.assemble import assemble_model
@@ -32,25 +33,30 @@ LOG_EVERY = 3
 SAVE_AT = 5
 
 
-def test_loader_rows_carry_the_draws_of_their_seed(tiny_dataset: str, tmp_path: Path) -> None:
-    """Drawn in the loader worker from the row's seed, exactly what the objective used to draw itself."""
+def test_the_objective_draws_from_the_seeds_the_loader_rows_carry(tiny_dataset: str, tmp_path: Path) -> None:
+    """The noise the step trains on is the draw of each row's seed, whatever batch the row lands in."""
     cfg = DataConfig(uri=tiny_dataset, resolution=64, cache_dir=str(tmp_path), num_workers=0, shuffle=False)
     pinned = pin_version(cfg, read_dataset_manifest(cfg))
-    rows = list(build_dataset(cfg, pinned, per_rank_batch=4, seed=3, num_timesteps=500))[:3]
-    for row in rows:
-        expected = draw_columns(int(row[SAMPLE_SEED]), tuple(row[LATENT_MEAN].shape), 500)
-        for name in DRAW_COLUMNS:
-            assert torch.equal(row[name], expected[name]), name
-    assert int(rows[0]["draw_timestep"]) < 500
+    rows = list(build_dataset(cfg, pinned, per_rank_batch=4, seed=3))[:3]
+    model = assemble_model(tiny_config("unused", "unused", "unused"), "cpu", 1.0, torch.zeros(77, 32))
+
+    def batch_of(some: list[dict]) -> dict[str, torch.Tensor]:
+        return {name: torch.stack([torch.as_tensor(r[name]) for r in some]) for name in some[0]}
+
+    inputs = model.objective.prepare(batch_of(rows))
+    for i, row in enumerate(rows):
+        alone = model.objective.prepare(batch_of([row]))
+        assert torch.equal(inputs.noisy[i], alone.noisy[0]) and torch.equal(inputs.target[i], alone.target[0])
+        draws = draw_for_samples(torch.tensor([row[SAMPLE_SEED]]), tuple(row[LATENT_MEAN].shape), 1000)
+        assert int(inputs.timesteps[i]) == int(draws.timesteps[0])
 
 
-def test_objective_refuses_a_batch_without_draws() -> None:
+def test_objective_refuses_a_batch_without_seeds() -> None:
     cfg = tiny_config("unused", "unused", "unused")
     model = assemble_model(cfg, "cpu", 1.0, torch.zeros(get_preset("tiny").text_shape()))
     batch = synthetic_latent_batch(get_preset("tiny"), 64, 2, resolve_device_setup("cpu", "fp32", False), 0)
-    for name in DRAW_COLUMNS:
-        batch.pop(name)
-    with pytest.raises(MissingDrawsError, match="attach_draws"):
+    batch.pop(SAMPLE_SEED)
+    with pytest.raises(MissingDrawsError, match="seed"):
         model(batch)
 
 

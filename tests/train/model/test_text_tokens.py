@@ -19,12 +19,13 @@ from encode.process.encoders import load_encoders
 from encode.publish.finalize import publish
 from encode.sample_data import build_webdataset
 from shared.config import load_config
+from shared.contract import LATENT_MEAN
 from shared.encoders import EncoderMismatchError
 from shared.manifest import read_manifest
 from shared.models import build_open_clip_tower, build_tokenizer, openclip_to_transformers
 from shared.presets import get_preset
 from tests.train.conftest import single_threaded_torch, tiny_config
-from train.data.draws import DRAW_COIN
+from train.data.draws import SAMPLE_SEED, draw_for_samples
 from train.data.loader import build_dataloader
 from train.data.packing import unpack
 from train.loop.prepare import prepare_run
@@ -80,18 +81,23 @@ def first_batch_outputs(
     loader = build_dataloader(cfg.data, ctx.pinned, ctx.batching.per_rank_batch, cfg.seed)
     batch = unpack(next(iter(loader)))
     with torch.no_grad():
-        text = model.objective.condition(batch, batch[DRAW_COIN])
+        text = model.objective.condition(batch, coins(batch))
         loss = model.loss(model(batch), batch)
     return text, loss, batch
+
+
+def coins(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The caption-dropout coins the objective draws for this batch's samples."""
+    return draw_for_samples(batch[SAMPLE_SEED], tuple(batch[LATENT_MEAN].shape[1:]), 1000).coin
 
 
 def test_one_step_gives_the_same_loss_in_both_modes(two_modes: TwoModes, tmp_path: Path) -> None:
     text_e, loss_e, batch_e = first_batch_outputs(two_modes, two_modes.embeddings, tmp_path / "e")
     text_t, loss_t, batch_t = first_batch_outputs(two_modes, two_modes.tokens, tmp_path / "t")
     assert "text_tokens" in batch_t and "text_embedding" not in batch_t
-    dropped = batch_e[DRAW_COIN] < DROPOUT
+    dropped = coins(batch_e) < DROPOUT
     assert dropped.any() and not dropped.all(), "the batch must hold dropped and kept captions"
-    assert torch.equal(batch_e[DRAW_COIN], batch_t[DRAW_COIN])
+    assert torch.equal(batch_e[SAMPLE_SEED], batch_t[SAMPLE_SEED])
     assert torch.equal(text_e, text_t)  # dropped ones too: the same empty-caption embedding
     assert loss_e.item() == loss_t.item()
 
