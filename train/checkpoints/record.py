@@ -21,23 +21,26 @@ def check_dataset_unchanged(saved: dict[str, Any], current: dict[str, Any], allo
     """Refuse to resume on other data than the checkpoint's, unless `allow` (data.allow_dataset_change).
     Returns whether the data changed (and was allowed to)."""
     before, now = saved.get("dataset", {}), current.get("dataset", {})
-    changed = [k for k in ("fingerprint", "resolution") if before.get(k) != now.get(k)]
+    # epoch_size: absent from checkpoints written before it was recorded, which used none (the default)
+    changed = [k for k in ("fingerprint", "resolution", "epoch_size") if before.get(k) != now.get(k)]
     if not changed:
         return False
     if "mix" in before or "mix" in now:
         return _check_mix_unchanged(before, now, allow)
     what = (
         f"the checkpoint was trained on {before.get('uri')} version {before.get('version')} at "
-        f"{before.get('resolution')} px (fingerprint {before.get('fingerprint')}) but this run reads "
-        f"{now.get('uri')} version {now.get('version')} at {now.get('resolution')} px (fingerprint "
-        f"{now.get('fingerprint')})"
+        f"{before.get('resolution')} px (fingerprint {before.get('fingerprint')}, epoch_size "
+        f"{before.get('epoch_size')}) but this run reads {now.get('uri')} version {now.get('version')} at "
+        f"{now.get('resolution')} px (fingerprint {now.get('fingerprint')}, epoch_size "
+        f"{now.get('epoch_size')})"
     )
     if allow:
         log.warning("data.allow_dataset_change=true: resuming although %s", what)
         return True
     raise DatasetChangedError(
         f"refusing to resume: {what}. Pass data.version={before.get('version')} (and the original data.uri / "
-        "data.resolution) to continue on the same data, or data.allow_dataset_change=true to switch datasets."
+        "data.resolution / data.epoch_size) to continue on the same data, or data.allow_dataset_change=true "
+        "to switch datasets."
     )
 
 

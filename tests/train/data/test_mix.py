@@ -126,6 +126,41 @@ def test_epoch_counts_are_streamings_own(tiny_dataset: str, tiny_dataset_b: str,
     assert epoch_counts([("choose", 20), ("repeat", 1.5)], [64, 32], None, 0) == [20, 48]
 
 
+def test_every_batching_method_makes_the_batches_streaming_promises(
+    tiny_dataset: str, tiny_dataset_b: str, tmp_path: Path
+) -> None:
+    """One epoch of a 0.75 / 0.25 mix in batches of 8 through train's loader (one rank, no workers):
+    random mixes inside batches, stratified gives every batch 6 + 2, per_stream and device_per_stream
+    give each batch one stream; every method hands out 72 + 24 samples."""
+    from train.data.loader import STREAM_INDEX, build_dataloader
+    from train.data.mix import streams_to_streaming
+    from train.data.packing import unpack
+    from train.loop.prepare import prepare_data
+
+    compositions = {}
+    for method in ("random", "stratified", "per_stream", "device_per_stream"):
+        cfg = mix_config(
+            tmp_path / method,
+            f"{{uri: {tiny_dataset}, name: a, proportion: 0.75}}",
+            f"{{uri: {tiny_dataset_b}, name: b, proportion: 0.25}}",
+            batching_method=method, num_workers=0, epoch_size=96,
+        )  # fmt: skip
+        _, pinned, streams = prepare_data(cfg)
+        with single_threaded_torch():
+            loader = build_dataloader(
+                cfg.data, pinned, 8, cfg.seed, streams=streams_to_streaming(streams, 60)
+            )
+            batches = [unpack(b)[STREAM_INDEX].tolist() for b in loader]
+        compositions[method] = [(row.count(0), row.count(1)) for row in batches]
+        assert loader.stream_taken.tolist() == [72, 24], method
+        del loader
+    assert set(compositions["stratified"]) == {(6, 2)}
+    for method in ("per_stream", "device_per_stream"):
+        assert set(compositions[method]) <= {(8, 0), (0, 8)}, method
+        assert compositions[method].count((0, 8)) == 3, method
+    assert any(0 < a < 8 for a, _ in compositions["random"])
+
+
 # ---------------------------------------------------------------------------------- a trained mix
 @pytest.fixture(scope="module")
 def mix_run(tiny_dataset: str, tiny_dataset_b: str, tmp_path_factory: pytest.TempPathFactory) -> TrainConfig:

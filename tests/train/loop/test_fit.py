@@ -86,6 +86,19 @@ def test_resume_on_other_dataset_is_refused(tiny_run: TinyRun, tmp_path: Path) -
         build_trainer(cfg)
 
 
+def test_resume_with_another_epoch_size_is_refused(tiny_run: TinyRun, tmp_path: Path) -> None:
+    """data.epoch_size reorders the samples of one dataset too: the saved position would land elsewhere."""
+    save = copy_run(tiny_run, tmp_path / "save")
+    cfg = tiny_config(
+        tiny_run.cfg.data.uri, save, tmp_path / "cache", "max_duration=13ba", "samples.enabled=false",
+        "data.epoch_size=40",
+    )  # fmt: skip
+    with pytest.raises(
+        DatasetChangedError, match=r"epoch_size None\) but .*epoch_size 40\).*data\.epoch_size"
+    ):
+        build_trainer(cfg)
+
+
 def test_allow_dataset_change_resumes_anyway(tiny_run: TinyRun, tmp_path: Path) -> None:
     other = tmp_path / "other"
     write_fake_dataset(other, n=64, salt="changed")
