@@ -189,6 +189,31 @@ def test_per_stream_counts_are_logged_cumulatively_and_match_streaming(mix_run: 
     assert counts[3][0] > counts[3][1]
 
 
+def test_a_proportion_mix_resumed_mid_epoch_matches_the_uninterrupted_run(
+    mix_run: TrainConfig, tiny_dataset: str, tiny_dataset_b: str, tmp_path: Path
+) -> None:
+    """From the batch-6 checkpoint (half an epoch) to batch 12: the same per-stream counts at every logged
+    step and bit-identical EMA and training weights (kills and rank changes: test_resume_mix.py)."""
+    from tests.train.checkpoints.test_resume_ranks import assert_same_weights, final_state, seed_save_folder
+
+    run, save = Path(mix_run.save_folder), tmp_path / "save"
+    (checkpoint,) = run.glob("ep0-ba6-rank0.pt")
+    seed_save_folder(checkpoint, save)
+    done = [row for row in metric_rows(run) if row["step"] <= 6]  # what the run had logged by then
+    (save / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in done))
+    cfg = mix_config(
+        save,
+        f"{{uri: {tiny_dataset}, name: laion, proportion: 0.75}}",
+        f"{{uri: {tiny_dataset_b}, name: coyo, proportion: 0.25}}",
+        extra=("max_duration=12ba", "save_interval=6ba", "log.console_interval=3ba"),
+    )
+    with single_threaded_torch():
+        fit(cfg)
+    names = ["laion", "coyo"]
+    assert counts_by_step(save, names) == counts_by_step(run, names)
+    assert_same_weights(final_state(save), final_state(run), atol=0.0)
+
+
 def test_checkpoint_records_every_stream_and_the_mix(mix_run: TrainConfig) -> None:
     from train.data.lease import DatasetLease
 
