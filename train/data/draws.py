@@ -114,7 +114,9 @@ class SampleDraws:
         )
 
     @classmethod
-    def from_batch(cls, batch: dict[str, torch.Tensor], latent_shape: tuple[int, ...], num_timesteps: int):
+    def from_batch(
+        cls, batch: dict[str, torch.Tensor], latent_shape: tuple[int, ...], num_timesteps: int
+    ) -> SampleDraws:
         """The draws of a batch from its SAMPLE_SEED column."""
         if SAMPLE_SEED not in batch:
             raise MissingDrawsError(

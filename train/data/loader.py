@@ -47,7 +47,7 @@ from train.data.streaming_host import DataError, claim_local_dir, streaming_pref
 
 log = logging.getLogger(__name__)
 
-_SEED_MASK = (1 << 63) - 1  # torch.Generator and int64 tensors both take a non-negative 63-bit seed
+_SEED_MASK = (1 << 63) - 1  # a non-negative 63-bit seed: any int64 tensor holds it (train/data/draws.py)
 _MDS_OFFSET = np.dtype("<u4")  # an MDS shard starts with its sample count, then count + 1 uint32 offsets
 STREAM_INDEX = "stream_index"  # int64 batch column: which stream of data.streams a sample came from (0: one)
 

@@ -2,6 +2,8 @@
 with the run finished by itself (or stopped with a clear message) and weights equal to an uninterrupted run.
 
 - SIGTERM to `python -m train launch` mid-run: saves the current step, exits 75; the rerun resumes it.
+- resilience.max_wall_time: saves at the step the limit passes, exits 75; save_interval_minutes saves on the
+  clock between batch-interval saves.
 - kill -9 of one rank: the supervisor restarts the job from the last checkpoint by itself.
 - SIGSTOP of one rank: declared hung after resilience.hang_timeout_s, stacks logged (from outside), restart.
 - a deterministic failure (a rank killed at the same step each time): stops after one restart, naming the
@@ -135,6 +137,26 @@ def test_sigterm_to_the_launch_command_saves_exits_resumable_and_the_rerun_match
     assert "rerun the same command to resume" in log.read_text()
     assert finish(start(launch_argv(save), env_for(tmp_path), log), log) == 0, log.read_text()[-4000:]
     assert f"ba{stopped}" in log.read_text().split("autoresume: continuing from")[-1].splitlines()[0]
+    assert_matches_reference(reference, save)
+
+
+def test_max_wall_time_saves_and_exits_resumable_and_clock_saves_keep_the_weights(
+    reference: Path, tmp_path: Path
+) -> None:
+    """resilience.max_wall_time through `train launch`: a limit already past when the first step ends saves
+    that step and exits 75. The rerun saves on the clock (save_interval_minutes) at steps the batch interval
+    (4) would not, and still ends on the reference's weights."""
+    save, log = tmp_path / "save", tmp_path / "run.log"
+    limited = launch_argv(save, "resilience.max_wall_time=1s", "resilience.exit_lead_s=0")
+    assert finish(start(limited, env_for(tmp_path), log), log) == control.EXIT_RESUMABLE, log.read_text()[
+        -4000:
+    ]
+    stopped = saved_batches(save)[-1]
+    assert stopped < 4, (stopped, log.read_text()[-3000:])  # before the first batch-interval save
+    assert "saving and stopping (the deadline)" in log.read_text()
+    clocked = launch_argv(save, "save_interval_minutes=0.001")  # every 0.06 s: at every step boundary
+    assert finish(start(clocked, env_for(tmp_path), log), log) == 0, log.read_text()[-4000:]
+    assert saved_batches(save) == [10, 11, 12]  # the 3 kept (save_num_checkpoints_to_keep), all on the clock
     assert_matches_reference(reference, save)
 
 
