@@ -25,12 +25,12 @@ from typing import IO, Any
 
 # Re-exported: callers use `storage.StorageError`, `storage.redact_url`, ... as one API.
 from shared.storage.errors import StorageError as StorageError
-from shared.storage.reads import get_bytes, open_resuming
 from shared.storage.safety import REDACTED as REDACTED
 from shared.storage.safety import contained_path as contained_path
 from shared.storage.safety import private_temp_dir as private_temp_dir
 from shared.storage.safety import redact_url as redact_url
 from shared.storage.safety import unsafe_name_reason as unsafe_name_reason
+from shared.storage.transfers import download_file, get_bytes, open_resuming, retried, upload_file
 
 S3_SCHEME = "s3://"
 _BRACE_RANGE = re.compile(r"\{(\d+)\.\.(\d+)\}")
@@ -126,7 +126,7 @@ def read_bytes(uri: str) -> bytes:
             raise FileNotFoundError(f"{uri} does not exist") from err
     bucket, key = split_s3(uri)
     try:
-        return get_bytes(s3_client(), bucket, key)  # a body that breaks is read again (reads.py)
+        return get_bytes(s3_client(), bucket, key)  # repeated when it fails in transit (transfers.py)
     except Exception as err:
         if _is_missing(err):
             raise FileNotFoundError(f"{uri} does not exist") from err
@@ -142,7 +142,7 @@ def write_bytes(uri: str, data: bytes) -> None:
     if is_s3(uri):
         bucket, key = split_s3(uri)
         try:
-            s3_client().put_object(Bucket=bucket, Key=key, Body=data)
+            retried(lambda: s3_client().put_object(Bucket=bucket, Key=key, Body=data), f"writing {uri}")
         except Exception as err:
             raise _s3_error(err, uri) from None
         return
@@ -178,7 +178,7 @@ def exists(uri: str) -> bool:
         return os.path.exists(uri)
     bucket, key = split_s3(uri)
     try:
-        s3_client().head_object(Bucket=bucket, Key=key)
+        retried(lambda: s3_client().head_object(Bucket=bucket, Key=key), f"checking {uri}")
         return True
     except Exception as err:
         if _is_missing(err):
@@ -231,7 +231,7 @@ def stat(uri: str) -> FileInfo:
         return _local_info(Path(uri))
     bucket, key = split_s3(uri)
     try:
-        head = s3_client().head_object(Bucket=bucket, Key=key)
+        head = retried(lambda: s3_client().head_object(Bucket=bucket, Key=key), f"checking {uri}")
     except Exception as err:
         if _is_missing(err):
             raise FileNotFoundError(f"{uri} does not exist") from err
@@ -248,7 +248,7 @@ def open_read(uri: str) -> IO[bytes]:
             raise FileNotFoundError(f"{uri} does not exist") from err
     bucket, key = split_s3(uri)
     try:
-        return open_resuming(s3_client(), bucket, key)  # resumes where a broken body stopped (reads.py)
+        return open_resuming(s3_client(), bucket, key)  # resumes where a broken body stopped (transfers.py)
     except Exception as err:
         if _is_missing(err):
             raise FileNotFoundError(f"{uri} does not exist") from err
@@ -294,7 +294,7 @@ def upload_dir(local_dir: str | Path, uri: str) -> None:
     for path in sorted(p for p in local_dir.rglob("*") if p.is_file()):
         dest = f"{key.rstrip('/')}/{path.relative_to(local_dir).as_posix()}"
         try:
-            s3_client().upload_file(str(path), bucket, dest)
+            upload_file(s3_client(), str(path), bucket, dest)
         except Exception as err:
             raise _s3_error(err, f"{S3_SCHEME}{bucket}/{dest}") from None
 
@@ -321,15 +321,23 @@ def download_dir(uri: str, local_dir: str | Path) -> Path:
     plan = [(f.uri, contained_path(local_dir, relpath(f.uri, uri), f.uri)) for f in list_files(uri)]
     for src, dest in plan:
         dest.parent.mkdir(parents=True, exist_ok=True)
-        if is_s3(uri):
-            bucket, key = split_s3(src)
-            try:
-                s3_client().download_file(bucket, key, str(dest))
-            except Exception as err:
-                raise _s3_error(err, src) from None
-        else:
-            shutil.copyfile(src, dest)
+        download(src, dest)
     return local_dir
+
+
+def download(uri: str, dest: str | Path) -> None:
+    """Copy one file to the local path `dest` (S3: s3transfer's parallel download, repeated when it fails in
+    transit, shared/storage/transfers.py)."""
+    if not is_s3(uri):
+        shutil.copyfile(uri, dest)
+        return
+    bucket, key = split_s3(uri)
+    try:
+        download_file(s3_client(), bucket, key, str(dest))
+    except Exception as err:
+        if _is_missing(err):
+            raise FileNotFoundError(f"{uri} does not exist") from err
+        raise _s3_error(err, uri) from None
 
 
 def expand_braces(pattern: str) -> list[str]:

@@ -150,8 +150,7 @@ def fetched_checkpoint(path: str) -> Iterator[Path]:
         if not uri.endswith(CHECKPOINT_SUFFIX):  # a sharded checkpoint folder (names checked on the way)
             yield storage.download_dir(uri, dest)
             return
-        bucket, key = storage.split_s3(uri)
-        storage.s3_client().download_file(bucket, key, str(dest))
+        storage.download(uri, dest)
         yield dest
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
