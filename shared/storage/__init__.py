@@ -142,7 +142,8 @@ def write_bytes(uri: str, data: bytes) -> None:
     if is_s3(uri):
         bucket, key = split_s3(uri)
         try:
-            retried(lambda: s3_client().put_object(Bucket=bucket, Key=key, Body=data), f"writing {uri}")
+            client = s3_client()
+            retried(lambda: client.put_object(Bucket=bucket, Key=key, Body=data), f"writing {uri}", client)
         except Exception as err:
             raise _s3_error(err, uri) from None
         return
@@ -178,7 +179,8 @@ def exists(uri: str) -> bool:
         return os.path.exists(uri)
     bucket, key = split_s3(uri)
     try:
-        retried(lambda: s3_client().head_object(Bucket=bucket, Key=key), f"checking {uri}")
+        client = s3_client()
+        retried(lambda: client.head_object(Bucket=bucket, Key=key), f"checking {uri}", client)
         return True
     except Exception as err:
         if _is_missing(err):
@@ -231,7 +233,8 @@ def stat(uri: str) -> FileInfo:
         return _local_info(Path(uri))
     bucket, key = split_s3(uri)
     try:
-        head = retried(lambda: s3_client().head_object(Bucket=bucket, Key=key), f"checking {uri}")
+        client = s3_client()
+        head = retried(lambda: client.head_object(Bucket=bucket, Key=key), f"checking {uri}", client)
     except Exception as err:
         if _is_missing(err):
             raise FileNotFoundError(f"{uri} does not exist") from err

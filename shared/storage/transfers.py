@@ -84,7 +84,7 @@ def is_transient(err: BaseException) -> bool:
     return isinstance(err, transient_body_errors()) or error_code(err) in TRANSIENT_CODES
 
 
-def retried(call: Callable[[], T], what: str) -> T:
+def retried(call: Callable[[], T], what: str, client: Any) -> T:
     """`call()`, repeated while it fails in transit (see module doc); other errors are raised at once."""
     for attempt in range(ATTEMPTS):
         try:
@@ -93,8 +93,21 @@ def retried(call: Callable[[], T], what: str) -> T:
             if attempt == ATTEMPTS - 1 or not is_transient(err):
                 raise
             log.warning("%s failed in transit (%s); trying again (%d/%d)", what, err, attempt + 2, ATTEMPTS)
+            drop_pooled_connections(client)
             _pause(attempt)
     raise AssertionError("unreachable")
+
+
+def drop_pooled_connections(client: Any) -> None:
+    """Close the client's idle keep-alive connections (in-flight ones are not reused after they finish).
+
+    A connection that delivered a reply to the wrong request answers every later request on it with the
+    reply of the one before: an object's body with its own ETag and checksum, which nothing could tell from
+    the right one. After a failure in transit no pooled connection is trusted (botocore's URLLib3Session).
+    """
+    session = getattr(getattr(client, "_endpoint", None), "http_session", None)
+    if session is not None:
+        session.close()
 
 
 def get_bytes(client: Any, bucket: str, key: str) -> bytes:
@@ -107,18 +120,18 @@ def get_bytes(client: Any, bucket: str, key: str) -> bytes:
         finally:
             body.close()
 
-    return retried(read, f"reading s3://{bucket}/{key}")
+    return retried(read, f"reading s3://{bucket}/{key}", client)
 
 
 def download_file(client: Any, bucket: str, key: str, dest: str) -> None:
     """s3transfer's download (parallel ranged GETs, written to a temp file renamed into place, so a failed
     attempt leaves nothing at `dest`), repeated when it fails in a way s3transfer does not retry itself."""
-    retried(lambda: client.download_file(bucket, key, dest), f"downloading s3://{bucket}/{key}")
+    retried(lambda: client.download_file(bucket, key, dest), f"downloading s3://{bucket}/{key}", client)
 
 
 def upload_file(client: Any, path: str, bucket: str, key: str) -> None:
     """s3transfer's upload, repeated when the server says the body arrived damaged (BadDigest)."""
-    retried(lambda: client.upload_file(path, bucket, key), f"uploading {path} to s3://{bucket}/{key}")
+    retried(lambda: client.upload_file(path, bucket, key), f"uploading {path} to s3://{bucket}/{key}", client)
 
 
 class ResumingBody(io.RawIOBase):
@@ -127,7 +140,8 @@ class ResumingBody(io.RawIOBase):
     def __init__(self, client: Any, bucket: str, key: str):
         super().__init__()
         self._client, self._bucket, self._key = client, bucket, key
-        response = retried(lambda: client.get_object(Bucket=bucket, Key=key), f"reading s3://{bucket}/{key}")
+        get = lambda: client.get_object(Bucket=bucket, Key=key)  # noqa: E731
+        response = retried(get, f"reading s3://{bucket}/{key}", client)
         self._etag = response.get("ETag")
         self._body = response["Body"]
         self._offset = 0  # bytes handed to the caller
@@ -158,11 +172,13 @@ class ResumingBody(io.RawIOBase):
             ) from err
         log.warning("%s: the response body broke at byte %d (%s); resuming there", where, self._offset, err)
         self._body.close()
+        drop_pooled_connections(self._client)
         _pause(attempt)
         if not self._offset:
             # Nothing handed out yet: a fresh read, whose ETag is the one to pin. The broken response's ETag
             # may not be the object's (SeaweedFS's empty body right after a write came with another one).
-            response = retried(lambda: self._client.get_object(Bucket=self._bucket, Key=self._key), where)
+            get = lambda: self._client.get_object(Bucket=self._bucket, Key=self._key)  # noqa: E731
+            response = retried(get, where, self._client)
             self._etag, self._body = response.get("ETag"), response["Body"]
             return
         extra: dict[str, Any] = {"Range": f"bytes={self._offset}-"}
@@ -170,7 +186,7 @@ class ResumingBody(io.RawIOBase):
             extra["IfMatch"] = self._etag  # a replaced object fails with 412 instead of being spliced
         try:
             get = lambda: self._client.get_object(Bucket=self._bucket, Key=self._key, **extra)  # noqa: E731
-            self._body = retried(get, where)["Body"]
+            self._body = retried(get, where, self._client)["Body"]
         except Exception as again:
             if "PreconditionFailed" in str(again) or "412" in str(again):
                 raise StorageError(

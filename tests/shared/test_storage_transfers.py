@@ -205,10 +205,14 @@ def test_answers_from_a_desynchronised_connection_are_retried(
     """A GET answered with a PUT's BadDigest, a HEAD with a bare 400 (seen from SeaweedFS after a damaged
     PUT on the same connection)."""
     uri, data = obj
+    session = storage.s3_client()._endpoint.http_session
+    real_close, closed = session.close, []
+    monkeypatch.setattr(session, "close", lambda: closed.append(1) or real_close())
     fail_first_calls(monkeypatch, "get_object", client_error("BadDigest", "GetObject"))
     assert storage.read_bytes(uri) == data
     fail_first_calls(monkeypatch, "head_object", client_error("400", "HeadObject"))
     assert storage.stat(uri).size == SIZE
+    assert len(closed) == 2  # no pooled connection is reused after a reply that may not be ours
 
 
 def test_errors_that_are_not_transient_are_raised_at_once(
