@@ -135,9 +135,37 @@ def load_reuse_table(
 
 
 def _local_copy(uri: str, table: ReuseTable) -> str | None:
+    """The folder to read (an S3 one copied into a temp dir); None when its index is gone.
+
+    An S3 folder is copied by name from its index, never from a listing: a listing that misses a key (a
+    store without read-after-write listings, a reply that went astray) would silently turn reusable work
+    into work done again."""
     if not storage.is_s3(uri):
         return uri if os.path.exists(os.path.join(uri, INDEX_NAME)) else None
+    try:
+        index_bytes = storage.read_bytes(storage.join(uri, INDEX_NAME))
+    except FileNotFoundError:
+        return None
     tmp = tempfile.mkdtemp(prefix="reuse-")
     table._tmpdirs.append(tmp)
-    storage.download_dir(uri, tmp)
-    return tmp if os.path.exists(os.path.join(tmp, INDEX_NAME)) else None
+    Path(tmp, INDEX_NAME).write_bytes(index_bytes)
+    for name in _files_named_by(index_bytes):
+        try:
+            dest = storage.contained_path(tmp, name, f"shard {name} of {uri}")
+        except storage.StorageError:
+            break  # open_mds_readers refuses the index, naming the shard
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            storage.download(storage.join(uri, name), dest)
+        except FileNotFoundError:
+            continue  # only the raw or only the zipped copy is stored; a shard with neither is refused there
+    return tmp
+
+
+def _files_named_by(index_bytes: bytes) -> list[str]:
+    """The raw and zipped shard file names an MDS index names (none if it is not one: refused later)."""
+    try:
+        shards = json.loads(index_bytes)["shards"]
+        return [str(s[k]["basename"]) for s in shards for k in ("raw_data", "zip_data") if s.get(k)]
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return []
