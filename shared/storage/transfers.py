@@ -176,7 +176,7 @@ class ResumingBody(io.RawIOBase):
         _pause(attempt)
         if not self._offset:
             # Nothing handed out yet: a fresh read, whose ETag is the one to pin. The broken response's ETag
-            # may not be the object's (SeaweedFS's empty body right after a write came with another one).
+            # may not be the object's (a reply that belonged to another request: see the module doc).
             get = lambda: self._client.get_object(Bucket=self._bucket, Key=self._key)  # noqa: E731
             response = retried(get, where, self._client)
             self._etag, self._body = response.get("ETag"), response["Body"]
