@@ -154,9 +154,12 @@ def test_max_wall_time_saves_and_exits_resumable_and_clock_saves_keep_the_weight
     stopped = saved_batches(save)[-1]
     assert stopped < 4, (stopped, log.read_text()[-3000:])  # before the first batch-interval save
     assert "saving and stopping (the deadline)" in log.read_text()
-    clocked = launch_argv(save, "save_interval_minutes=0.001")  # every 0.06 s: at every step boundary
+    clocked = launch_argv(save, "save_interval_minutes=0.0001")  # every 6 ms: at (almost) every step
     assert finish(start(clocked, env_for(tmp_path), log), log) == 0, log.read_text()[-4000:]
-    assert saved_batches(save) == [10, 11, 12]  # the 3 kept (save_num_checkpoints_to_keep), all on the clock
+    kept = saved_batches(save)  # the last 3 (save_num_checkpoints_to_keep)
+    assert kept[-1] == MAX_BATCHES and any(batch % 4 for batch in kept), (
+        kept
+    )  # saves between the 4-batch ones
     assert_matches_reference(reference, save)
 
 
