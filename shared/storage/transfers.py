@@ -188,7 +188,7 @@ class ResumingBody(io.RawIOBase):
             get = lambda: self._client.get_object(Bucket=self._bucket, Key=self._key, **extra)  # noqa: E731
             self._body = retried(get, where, self._client)["Body"]
         except Exception as again:
-            if "PreconditionFailed" in str(again) or "412" in str(again):
+            if error_code(again) in ("PreconditionFailed", "412"):
                 raise StorageError(
                     f"{where} was replaced while it was being read (its ETag changed at byte "
                     f"{self._offset}); rerun once writers of it have finished"

@@ -126,7 +126,7 @@ class PixelBatch:
 
     pixels: torch.Tensor
     token_ids: torch.Tensor
-    draws: dict[str, torch.Tensor]  # the per-sample seeds, as an online loader's workers would add
+    seeds: dict[str, torch.Tensor]  # {SAMPLE_SEED: ...}, as an online loader's workers would add
 
 
 def synthetic_pixel_batch(
@@ -140,11 +140,11 @@ def synthetic_pixel_batch(
     pixels = torch.rand((batch_size, 3, resolution, resolution), generator=gen) * 2 - 1
     ids = torch.randint(0, int(preset.text["vocab_size"]), (batch_size, preset.text_length), generator=gen)
     latents = synthetic_latent_batch(preset, resolution, batch_size, setup, seed)
-    draws = {SAMPLE_SEED: latents[SAMPLE_SEED]}
+    seeds = {SAMPLE_SEED: latents[SAMPLE_SEED]}
     pixels = pixels.to(setup.device)
     if setup.channels_last:
         pixels = pixels.contiguous(memory_format=torch.channels_last)
-    return PixelBatch(pixels, ids.to(setup.device), draws)
+    return PixelBatch(pixels, ids.to(setup.device), seeds)
 
 
 # ------------------------------------------------------------------------------------------------ steps
@@ -171,7 +171,7 @@ def encode_on_the_fly(
         LATENT_MEAN: posterior.mean,
         LATENT_LOGVAR: posterior.logvar,
         TEXT_EMBEDDING: embedding,
-        **inputs.draws,
+        **inputs.seeds,
     }
 
 

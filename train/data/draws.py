@@ -103,17 +103,6 @@ class SampleDraws:
     offset: torch.Tensor
 
     @classmethod
-    def for_seeds(cls, seeds: torch.Tensor, latent_shape: tuple[int, ...], num_timesteps: int) -> SampleDraws:
-        """Every draw of samples with these seeds, for latents of `latent_shape` (C, H, W)."""
-        return cls(
-            coin=uniform(seeds, KIND_COIN),
-            timesteps=integers(seeds, KIND_TIMESTEP, num_timesteps),
-            latent_eps=normal(seeds, KIND_LATENT_EPS, latent_shape),
-            noise=normal(seeds, KIND_NOISE, latent_shape),
-            offset=normal(seeds, KIND_OFFSET, latent_shape[:1]),
-        )
-
-    @classmethod
     def from_batch(
         cls, batch: dict[str, torch.Tensor], latent_shape: tuple[int, ...], num_timesteps: int
     ) -> SampleDraws:
@@ -123,9 +112,15 @@ class SampleDraws:
                 f"the batch has no {SAMPLE_SEED!r} column: batches come from train.data.loader, which gives "
                 "every row the seed of its draws; a batch built by hand needs one int64 seed per sample"
             )
-        return cls.for_seeds(batch[SAMPLE_SEED], latent_shape, num_timesteps)
+        return draw_for_samples(batch[SAMPLE_SEED], latent_shape, num_timesteps)
 
 
 def draw_for_samples(seeds: torch.Tensor, latent_shape: tuple[int, ...], num_timesteps: int) -> SampleDraws:
-    """The draws of a batch of seeds (any device)."""
-    return SampleDraws.for_seeds(seeds, latent_shape, num_timesteps)
+    """Every draw of samples with these seeds (any device), for latents of `latent_shape` (C, H, W)."""
+    return SampleDraws(
+        coin=uniform(seeds, KIND_COIN),
+        timesteps=integers(seeds, KIND_TIMESTEP, num_timesteps),
+        latent_eps=normal(seeds, KIND_LATENT_EPS, latent_shape),
+        noise=normal(seeds, KIND_NOISE, latent_shape),
+        offset=normal(seeds, KIND_OFFSET, latent_shape[:1]),
+    )
