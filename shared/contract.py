@@ -169,6 +169,9 @@ class Expectation:
     latent: tuple[int, int, int]
     text: tuple[int, int]
     scale_factor: float | None = None  # None: take the dataset's
+    # Latent sides must be multiples of this (the U-Net's 2x downsamplings: 8 for SD2's four levels); the
+    # square latent of a resolution is checked as `latent`, every bucket of a bucketed one by this.
+    latent_multiple: int = 1
 
 
 def check_compatible(manifest: Any, want: Expectation) -> None:
@@ -197,12 +200,27 @@ def check_compatible(manifest: Any, want: Expectation) -> None:
             f"dataset text embeddings are {list(shapes.text)} but the U-Net cross-attention expects "
             f"{list(want.text)}; encode and train must use the same preset's text encoder"
         )
+    check_buckets(manifest.resolutions[res], want)
     check_manifest_values(manifest, tuple(shapes.text))
     if want.scale_factor is not None and abs(manifest.scale_factor - want.scale_factor) > 1e-6:
         raise ContractError(
             f"dataset VAE scale factor is {manifest.scale_factor} but the train config says "
             f"{want.scale_factor}; remove model.scale_factor from the train config to use the dataset's"
         )
+
+
+def check_buckets(info: Any, want: Expectation) -> None:
+    """Every bucket of a bucketed resolution holds latents the U-Net can take: the model's channels, sides
+    that are multiples of its downsampling (the square's shape was checked as `want.latent`)."""
+    for name, shapes in info.bucket_shapes(want.resolution).items():
+        channels, height, width = shapes.latent
+        if channels != want.latent[0] or height % want.latent_multiple or width % want.latent_multiple:
+            raise ContractError(
+                f"dataset bucket {name} at {want.resolution} px has latents {list(shapes.latent)}, but the "
+                f"model takes {want.latent[0]} channels with sides that are multiples of "
+                f"{want.latent_multiple}; re-encode with buckets whose sides are multiples of "
+                f"{want.latent_multiple * (want.resolution // want.latent[1])} px (transform.bucket_step)"
+            )
 
 
 # The dtype each ndarray column must have, for readers that do not know the shapes.

@@ -65,7 +65,9 @@ def test_square_only_fingerprints_as_before() -> None:
     plain = StageFingerprints(stages.select, stages.text, stages.image)  # what the code made before buckets
     assert stages.buckets == {}
     assert stages.recipe("src") == plain.recipe("src")
-    assert all(stages.output_fingerprint("src", r) == plain.output_fingerprint("src", r) for r in stages.image)
+    assert all(
+        stages.output_fingerprint("src", r) == plain.output_fingerprint("src", r) for r in stages.image
+    )
     bucketed = stage_fingerprints(make_cfg("in", "out", *BUCKETED), ids)
     assert bucketed.recipe("src") != stage_fingerprints(make_cfg("in", "out", BUCKETED[0]), ids).recipe("src")
 

@@ -67,9 +67,15 @@ def place_version_index(cfg: DataConfig, manifest: DatasetManifest) -> PinnedDat
     root, vid = cfg.uri.rstrip("/"), manifest.version
     local = cache_dir_for(cfg.cache_dir, root, vid, cfg.resolution)
     remote = Layout(root).stream_root(cfg.resolution)
-    summary = place_index(
-        Layout(root).version_index(vid, cfg.resolution), local, manifest, cfg.resolution, remote
-    )
+    info = manifest.resolutions[cfg.resolution]
+    if info.buckets is not None:
+        raise DataError(
+            f"the eval dataset {cfg.uri} is bucketed at {cfg.resolution} px (transform.buckets); the "
+            "held-out loss compares fixed samples at one shape: encode the held-out data with "
+            "transform.buckets=none"
+        )
+    index = Layout(root).version_index(vid, cfg.resolution)
+    summary = place_index(index, local, info.shapes, info.num_samples, remote)
     return PinnedData(root, vid, cfg.resolution, manifest, remote, local, summary.hashed)
 
 

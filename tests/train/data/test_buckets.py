@@ -1,0 +1,106 @@
+"""Bucketed data in training: one Streaming stream per bucket, batched per_stream so every batch holds one
+latent shape; buckets drawn in proportion to their sizes; `data/buckets/<HxW>` counts in metrics.jsonl up to
+the run's last step; a bucketed dataset inside a data.streams mix; the contract check per bucket.
+
+`tiny_bucketed_dataset`: 80x48 (16 rows), 64x64 (24), 48x80 (16) at 64 px. Kills and rank changes:
+tests/train/checkpoints/test_resume_buckets.py.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from shared.contract import LATENT_MEAN, ContractError, Expectation, check_compatible
+from shared.manifest import read_manifest
+from tests.train.conftest import TINY_BUCKETS, single_threaded_torch, stream_overrides, tiny_config
+from train.data.buckets import split_weight
+from train.data.stream_counts import BUCKET_PREFIX, METRIC_PREFIX
+from train.loop.trainer import fit
+
+SHAPES = {"80x48": (4, 10, 6), "64x64": (4, 8, 8), "48x80": (4, 6, 10)}
+
+
+def metric_rows(save: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_every_batch_is_one_bucket_and_an_epoch_takes_every_bucket_whole(
+    tiny_bucketed_dataset: str, tmp_path: Path
+) -> None:
+    from train.data.buckets import run_streams
+    from train.data.loader import build_dataloader
+    from train.data.packing import unpack
+    from train.loop.prepare import prepare_data
+
+    cfg = tiny_config(tiny_bucketed_dataset, tmp_path / "save", tmp_path / "cache")
+    _, pinned, mix = prepare_data(cfg)
+    assert sorted(pinned.buckets) == sorted(TINY_BUCKETS)
+    streams, labels, method = run_streams(cfg.data.batching_method, pinned, mix, 8, 60)
+    assert method == "per_stream" and [label.bucket for label in labels] == list(TINY_BUCKETS)
+    with single_threaded_torch():
+        loader = build_dataloader(cfg.data, pinned, 8, cfg.seed, streams, method)
+        shapes = [tuple(unpack(b)[LATENT_MEAN].shape) for b in loader]
+    seen = {name: sum(s == (8, *shape) for s in shapes) for name, shape in SHAPES.items()}
+    assert len(shapes) == 7 and seen == {name: n // 8 for name, n in TINY_BUCKETS.items()}
+    assert loader.stream_taken.tolist() == list(TINY_BUCKETS.values())
+    assert [s[1:] for s in shapes] != sorted(s[1:] for s in shapes), "buckets come shuffled, not in runs"
+
+
+def test_bucket_counts_reach_the_last_step_of_an_epoch_run(  # noqa: E501
+    tiny_bucketed_dataset: str, tmp_path: Path
+) -> None:
+    """max_duration=1ep ends at batch 7 with saves and console lines every 5: the last step still carries
+    the cumulative bucket counts (Composer's end-of-training check fires only at EPOCH_END)."""
+    save = tmp_path / "save"
+    cfg = tiny_config(
+        tiny_bucketed_dataset, save, tmp_path / "cache",
+        "max_duration=1ep", "save_interval=5ba", "log.console_interval=5ba", "samples.enabled=false",
+    )  # fmt: skip
+    with single_threaded_torch():
+        fit(cfg)
+    rows = metric_rows(save)
+    counted = {r["step"]: {k: v for k, v in r.items() if k.startswith(BUCKET_PREFIX)} for r in rows}
+    assert [r["step"] for r in rows] == list(range(1, 8))
+    assert sorted(s for s, c in counted.items() if c) == [5, 7]
+    assert counted[7] == {BUCKET_PREFIX + name: n for name, n in TINY_BUCKETS.items()}
+    assert sum(counted[5].values()) == 40
+    assert not any(k.startswith(METRIC_PREFIX) for r in rows for k in r), "one dataset: no per-dataset counts"
+
+
+def test_a_bucketed_dataset_in_a_mix(tiny_bucketed_dataset: str, tiny_dataset_b: str, tmp_path: Path) -> None:
+    """A mix of a bucketed dataset and a square one: every batch one shape, counts per dataset and bucket."""
+    save = tmp_path / "save"
+    mix = stream_overrides(
+        f"{{uri: {tiny_bucketed_dataset}, name: laion}}", f"{{uri: {tiny_dataset_b}, name: coyo}}"
+    )
+    cfg = tiny_config(
+        "", save, tmp_path / "cache", *mix,
+        "max_duration=11ba", "save_interval=11ba", "log.console_interval=11ba", "samples.enabled=false",
+    )  # fmt: skip
+    with single_threaded_torch():
+        fit(cfg)
+    last = metric_rows(save)[-1]
+    assert last["step"] == 11
+    assert last[METRIC_PREFIX + "laion"] == 56 and last[METRIC_PREFIX + "coyo"] == 32
+    assert {k: v for k, v in last.items() if k.startswith(BUCKET_PREFIX)} == {
+        BUCKET_PREFIX + name: n for name, n in TINY_BUCKETS.items()
+    }
+
+
+def test_split_weight_keeps_the_dataset_weight() -> None:
+    assert split_weight(None, [1, 2]) == [{}, {}]
+    assert split_weight(("repeat", 2.0), [1, 3]) == [{"repeat": 2.0}, {"repeat": 2.0}]
+    assert split_weight(("proportion", 0.5), [1, 3]) == [{"proportion": 0.125}, {"proportion": 0.375}]
+    chosen = split_weight(("choose", 10), [16, 24, 16])
+    assert sum(c["choose"] for c in chosen) == 10 and chosen[1]["choose"] == 4
+
+
+def test_contract_refuses_a_bucket_the_unet_cannot_take(tiny_bucketed_dataset: str) -> None:
+    manifest = read_manifest(tiny_bucketed_dataset)
+    check_compatible(manifest, Expectation(64, (4, 8, 8), (77, 32), latent_multiple=2))
+    with pytest.raises(ContractError, match=r"bucket 80x48 .* multiples of 4"):
+        check_compatible(manifest, Expectation(64, (4, 8, 8), (77, 32), latent_multiple=4))
