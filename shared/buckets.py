@@ -76,3 +76,18 @@ def kept_fraction(width: int, height: int, bucket: Bucket) -> float:
     """Share of the image's pixels the cover crop keeps (1.0: nothing cut)."""
     box = cover_box(width, height, bucket) or (0, 0, width, height)
     return (box[2] - box[0]) * (box[3] - box[1]) / (width * height)
+
+
+def cropped_shares(sizes: Iterable[tuple[int, int]], buckets: Sequence[Bucket]) -> tuple[float, float, int]:
+    """(mean share of each picture a centre square crop cuts, the same with `buckets`, pictures counted) over
+    (width, height) sizes; only pictures both ways keep (never upscaled) count, so the two compare alike."""
+    square = max(buckets, key=lambda b: (b[0] == b[1], b[0] * b[1]))
+    centre, bucketed, n = 0.0, 0.0, 0
+    for width, height in sizes:
+        bucket = nearest_bucket(width, height, buckets)
+        if min(width, height) < square[0] or cover_box(width, height, bucket) is None:
+            continue
+        centre += 1 - min(width, height) ** 2 / (width * height)
+        bucketed += 1 - kept_fraction(width, height, bucket)
+        n += 1
+    return (centre / n, bucketed / n, n) if n else (0.0, 0.0, 0)

@@ -50,7 +50,7 @@ def test_every_batch_is_one_bucket_and_an_epoch_takes_every_bucket_whole(
     assert [s[1:] for s in shapes] != sorted(s[1:] for s in shapes), "buckets come shuffled, not in runs"
 
 
-def test_bucket_counts_reach_the_last_step_of_an_epoch_run(  # noqa: E501
+def test_bucket_counts_reach_the_last_step_of_an_epoch_run(
     tiny_bucketed_dataset: str, tmp_path: Path
 ) -> None:
     """max_duration=1ep ends at batch 7 with saves and console lines every 5: the last step still carries
