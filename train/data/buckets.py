@@ -139,3 +139,22 @@ def run_streams(
     entries = [(s.name, s.pinned, s.cfg.weight()) for s in mix] or [("", pinned, None)]
     streams, labels = bucket_streams(entries, global_batch, download_timeout)
     return streams, labels, method
+
+
+def sample_buckets(pinned: list[PinnedData]) -> dict[str, tuple[int, int, int]]:
+    """ "HxW" -> latent shape of the landscape and the portrait bucket with the most samples in the run's
+    (first bucketed) data, which sample grids render besides the square; {} for square-only data."""
+    for data in pinned:
+        info = data.manifest.resolutions[data.resolution]
+        if not data.buckets or not info.buckets:
+            continue
+        shapes = info.bucket_shapes(data.resolution)
+        out = {}
+        for wide in (True, False):
+            names = [n for n in data.buckets if (shapes[n].latent[2] > shapes[n].latent[1]) == wide]
+            names = [n for n in names if shapes[n].latent[1] != shapes[n].latent[2]]
+            if names:
+                best = max(names, key=lambda n: info.buckets[n]["num_samples"])  # type: ignore[index]
+                out[best] = shapes[best].latent
+        return out
+    return {}

@@ -27,7 +27,7 @@ from train.checkpoints.files import (
 from train.checkpoints.layouts import conform_optimizer_state
 from train.checkpoints.sharded import composer_loads_safely, fsdp_checkpoint_options
 from train.config import TrainConfig
-from train.data.buckets import run_streams
+from train.data.buckets import run_streams, sample_buckets
 from train.data.loader import build_dataloader
 from train.data.mix import mix_record
 from train.data.packing import packed_data_spec
@@ -150,6 +150,7 @@ def build_callbacks(ctx: RunContext, model: DiffusionModel, saves: Any = None) -
             preset.latent_shape(cfg.data.resolution),
             ctx.manifest.scale_factor,
             os.path.join(ctx.local_dir, SAMPLES_DIRNAME),
+            sample_buckets([s.pinned for s in ctx.streams] or [ctx.pinned]),
         )
         renderer.preload()  # text tower, tokenizer and VAE now, not at the first render (samples.py)
         callbacks.append(renderer)

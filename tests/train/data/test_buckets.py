@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from PIL import Image
 
 from shared.contract import LATENT_MEAN, ContractError, Expectation, check_compatible
 from shared.manifest import read_manifest
@@ -54,11 +55,13 @@ def test_bucket_counts_reach_the_last_step_of_an_epoch_run(
     tiny_bucketed_dataset: str, tmp_path: Path
 ) -> None:
     """max_duration=1ep ends at batch 7 with saves and console lines every 5: the last step still carries
-    the cumulative bucket counts (Composer's end-of-training check fires only at EPOCH_END)."""
+    the cumulative bucket counts (Composer's end-of-training check fires only at EPOCH_END). The sample
+    grids at the end render the square and the two non-square buckets."""
     save = tmp_path / "save"
     cfg = tiny_config(
         tiny_bucketed_dataset, save, tmp_path / "cache",
-        "max_duration=1ep", "save_interval=5ba", "log.console_interval=5ba", "samples.enabled=false",
+        "max_duration=1ep", "save_interval=5ba", "log.console_interval=5ba",
+        "samples.interval=10ba", "samples.steps=2", "samples.images_per_prompt=1",
     )  # fmt: skip
     with single_threaded_torch():
         fit(cfg)
@@ -69,6 +72,10 @@ def test_bucket_counts_reach_the_last_step_of_an_epoch_run(
     assert counted[7] == {BUCKET_PREFIX + name: n for name, n in TINY_BUCKETS.items()}
     assert sum(counted[5].values()) == 40
     assert not any(k.startswith(METRIC_PREFIX) for r in rows for k in r), "one dataset: no per-dataset counts"
+    # The end-of-run grids: the square one as before, and a landscape and a portrait bucket's.
+    grids = {p.name: Image.open(p).size for p in (save / "samples").glob("ba00000007*.png")}
+    assert sorted(grids) == ["ba00000007-48x80.png", "ba00000007-80x48.png", "ba00000007.png"]
+    assert grids["ba00000007-48x80.png"][0] == 80 and grids["ba00000007-80x48.png"][0] == 48
 
 
 def test_a_bucketed_dataset_in_a_mix(tiny_bucketed_dataset: str, tiny_dataset_b: str, tmp_path: Path) -> None:
