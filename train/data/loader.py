@@ -74,20 +74,29 @@ class PinnedData:
     # A bucketed resolution (encode transform.buckets): "HxW" -> the cache folder holding that bucket's
     # index, for each bucket with samples; read as one Streaming stream per bucket (train/data/buckets.py).
     buckets: dict[str, str] = field(default_factory=dict)
+    bucket: str = ""  # eval only (train/eval/data.py): `local` holds this one bucket's index
 
     @property
     def num_samples(self) -> int:
+        if self.bucket:
+            info = self.manifest.resolutions[self.resolution]
+            return int((info.buckets or {})[self.bucket]["num_samples"])
         return self.manifest.num_samples(self.resolution)
 
     def record(self) -> dict[str, Any]:
-        """What a checkpoint remembers about the data it was trained on."""
-        return {
+        """What a checkpoint remembers about the data it was trained on (a bucketed resolution: also each
+        bucket's samples, which export writes into the pipeline folder's buckets.json)."""
+        out = {
             "uri": self.root,
             "version": self.version,
             "resolution": self.resolution,
             "fingerprint": self.manifest.dataset_fingerprint,
             "num_samples": self.num_samples,
         }
+        info = self.manifest.resolutions[self.resolution]
+        if self.buckets and info.buckets:
+            out["buckets"] = {name: info.buckets[name]["num_samples"] for name in self.buckets}
+        return out
 
 
 def default_cache_root() -> str:
