@@ -158,3 +158,29 @@ def sample_buckets(pinned: list[PinnedData]) -> dict[str, tuple[int, int, int]]:
                 out[best] = shapes[best].latent
         return out
     return {}
+
+
+def compile_per_bucket(num_buckets: int, compile: bool) -> str:
+    """With compile=true on bucketed data: one static graph per bucket shape, bounded.
+
+    By default dynamo meets the second bucket's shape by recompiling a dynamic-shape graph (automatic
+    dynamic shapes): one recompile, but kernels generated for symbolic sizes, which inductor tunes less well
+    than static ones, and a third shape may specialise again. With a handful of buckets, a static graph per
+    bucket is the better trade (cuDNN's benchmark also times each bucket's convolutions once): automatic
+    dynamic shapes off, dynamo's per-code-object recompile limit (whatever the FSDP layout needed,
+    train/model/kernels.py) times the bucket count. Returns the log line ("": nothing changed).
+    """
+    if not compile or num_buckets <= 1:
+        return ""
+    import torch._dynamo
+
+    config = torch._dynamo.config
+    config.automatic_dynamic_shapes = False
+    config.recompile_limit = config.recompile_limit * num_buckets
+    config.accumulated_recompile_limit = config.accumulated_recompile_limit * num_buckets
+    line = (
+        f"compile=true on {num_buckets} buckets: one static graph per bucket (automatic dynamic shapes off, "
+        f"recompile_limit {config.recompile_limit})"
+    )
+    log.info(line)
+    return line

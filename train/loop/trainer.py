@@ -27,7 +27,7 @@ from train.checkpoints.files import (
 from train.checkpoints.layouts import conform_optimizer_state
 from train.checkpoints.sharded import composer_loads_safely, fsdp_checkpoint_options
 from train.config import TrainConfig
-from train.data.buckets import run_streams, sample_buckets
+from train.data.buckets import compile_per_bucket, run_streams, sample_buckets
 from train.data.loader import build_dataloader
 from train.data.mix import mix_record
 from train.data.packing import packed_data_spec
@@ -56,6 +56,8 @@ def build_model(ctx: RunContext) -> DiffusionModel:
     model = assemble_model(ctx.cfg, ctx.device, ctx.manifest.scale_factor, empty, online)
     enable_cudnn_benchmark(ctx.device)  # fixed shapes (train/model/kernels.py)
     fit_recompile_limit(model.unet, ctx.cfg.fsdp, ctx.cfg.compile)
+    buckets = {b for p in [s.pinned for s in ctx.streams] or [ctx.pinned] for b in p.buckets}
+    compile_per_bucket(len(buckets), ctx.cfg.compile)  # one static graph per bucket (train/data/buckets.py)
     return model
 
 

@@ -111,3 +111,35 @@ def test_contract_refuses_a_bucket_the_unet_cannot_take(tiny_bucketed_dataset: s
     check_compatible(manifest, Expectation(64, (4, 8, 8), (77, 32), latent_multiple=2))
     with pytest.raises(ContractError, match=r"bucket 80x48 .* multiples of 4"):
         check_compatible(manifest, Expectation(64, (4, 8, 8), (77, 32), latent_multiple=4))
+
+
+def test_compile_makes_one_static_graph_per_bucket() -> None:
+    """Three bucket shapes, each seen twice: three graphs, none dynamic (dynamo's default would make the
+    second shape's graph dynamic and reuse it)."""
+    import torch
+    from torch._dynamo.testing import CompileCounter
+
+    from train.data.buckets import compile_per_bucket
+
+    conv = torch.nn.Conv2d(4, 4, 3, padding=1)
+    with torch._dynamo.config.patch(
+        recompile_limit=8, accumulated_recompile_limit=256, automatic_dynamic_shapes=True
+    ):
+        assert compile_per_bucket(3, compile=True)
+        assert torch._dynamo.config.recompile_limit == 24
+        counted = CompileCounter()
+        compiled = torch.compile(conv, backend=counted)
+        for shape in [(10, 6), (8, 8), (6, 10)] * 2:
+            compiled(torch.zeros(2, 4, *shape))
+    torch._dynamo.reset()
+    assert counted.frame_count == 3
+    assert compile_per_bucket(3, compile=False) == "" and compile_per_bucket(1, compile=True) == ""
+
+
+def test_dry_run_prices_the_bucket_mix(tiny_bucketed_dataset: str, tmp_path: Path) -> None:
+    from train.data.mix import plan_lines
+
+    cfg = tiny_config(tiny_bucketed_dataset, tmp_path / "save", tmp_path / "cache")
+    lines = plan_lines(cfg.data, 17)
+    # 16 x 3840 + 24 x 4096 + 16 x 3840 px over 56 x 4096: 0.964 of a square step's FLOPs.
+    assert "buckets: 80x48 16 (28.6%), 64x64 24 (42.9%), 48x80 16 (28.6%); compute x0.964" in lines[-1]
