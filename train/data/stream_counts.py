@@ -56,6 +56,7 @@ class StreamSampleCounts(Callback):
         self.save_due = create_interval_scheduler(save_interval, checkpoint_events=False, final_events=ends)
         self.base = np.zeros(len(self.names), np.int64)  # counted by earlier attempts (from the checkpoint)
         self.synced = self.base.copy()  # the last all-ranks total
+        self.logged_step = -1  # the step whose counts were logged last
 
     def totals(self) -> dict[str, int]:
         """metric name -> cumulative samples: per dataset of a mix, per bucket of bucketed data."""
@@ -75,14 +76,23 @@ class StreamSampleCounts(Callback):
         last = is_last_batch(state)
         if not (console or save or last):
             return
+        self._log(state, logger, console or last)
+
+    def _log(self, state: State, logger: Logger, console: bool) -> None:
         self._sync()
         totals = self.totals()
-        logger.log_metrics(totals, step=int(state.timestamp.batch))
-        if (console or last) and dist.get_global_rank() == 0:
-            log.info("samples per stream at step %d: %s", int(state.timestamp.batch), describe(totals))
+        self.logged_step = int(state.timestamp.batch)
+        logger.log_metrics(totals, step=self.logged_step)
+        if console and dist.get_global_rank() == 0:
+            log.info("samples per stream at step %d: %s", self.logged_step, describe(totals))
 
     def epoch_end(self, state: State, logger: Logger) -> None:
-        if self.save_due(state, Event.EPOCH_END):  # save_interval in epochs: sync before EPOCH_CHECKPOINT
+        elapsed = state.get_elapsed_duration()
+        if elapsed is not None and elapsed >= 1.0 and self.logged_step != int(state.timestamp.batch):
+            # The run's last epoch ended before `dataloader_len` batches (per_stream batching drops each
+            # bucket's partial batch): its last step's line is written at EPOCH_CHECKPOINT, after this.
+            self._log(state, logger, True)
+        elif self.save_due(state, Event.EPOCH_END):  # save_interval in epochs: sync before EPOCH_CHECKPOINT
             self._sync()
 
     def fit_end(self, state: State, logger: Logger) -> None:

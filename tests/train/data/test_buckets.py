@@ -144,3 +144,25 @@ def test_dry_run_prices_the_bucket_mix(tiny_bucketed_dataset: str, tmp_path: Pat
     lines = plan_lines(cfg.data, 17)
     # 16 x 3840 + 24 x 4096 + 16 x 3840 px over 56 x 4096: 0.964 of a square step's FLOPs.
     assert "buckets: 80x48 16 (28.6%), 64x64 24 (42.9%), 48x80 16 (28.6%); compute x0.964" in lines[-1]
+
+
+def test_counts_reach_the_last_step_when_per_stream_shortens_the_epoch(tmp_path: Path) -> None:
+    """Buckets of 12, 20 and 12 rows give 1 + 2 + 1 full batches of 8, not the 5 (= 44 // 8) Composer
+    expects an epoch to hold: the 1-epoch run ends at step 4, which still carries the counts."""
+    from tests.train.conftest import write_fake_dataset
+
+    data, save = tmp_path / "data", tmp_path / "save"
+    with single_threaded_torch():
+        write_fake_dataset(data, buckets={"80x48": 12, "64x64": 20, "48x80": 12}, seed=3)
+        cfg = tiny_config(
+            str(data), save, tmp_path / "cache",
+            "max_duration=1ep", "save_interval=3ba", "log.console_interval=3ba", "samples.enabled=false",
+        )  # fmt: skip
+        fit(cfg)
+    last = metric_rows(save)[-1]
+    assert last["step"] == 4 and "loss" in last
+    assert {k: v for k, v in last.items() if k.startswith(BUCKET_PREFIX)} == {
+        BUCKET_PREFIX + "80x48": 8,
+        BUCKET_PREFIX + "64x64": 16,
+        BUCKET_PREFIX + "48x80": 8,
+    }
