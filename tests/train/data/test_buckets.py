@@ -166,3 +166,29 @@ def test_counts_reach_the_last_step_when_per_stream_shortens_the_epoch(tmp_path:
         BUCKET_PREFIX + "64x64": 16,
         BUCKET_PREFIX + "48x80": 8,
     }
+
+
+def test_eval_takes_one_bucket_and_export_records_the_buckets(
+    tiny_run: Any, tiny_bucketed_dataset: str, tmp_path: Path
+) -> None:
+    """`train eval --size HxW` on a bucketed eval dataset (its square bucket by default); a size the data
+    lacks is refused naming those it has; export's buckets.json comes from the run's dataset record."""
+    from train.data.streaming_host import DataError
+    from train.eval.checkpoint import evaluate_checkpoint
+    from train.eval.images import ImageEvalSpec
+    from train.export.pipeline import trained_buckets
+
+    args = [f"uri={tiny_bucketed_dataset}", "num_samples=8"]
+    cache = str(tmp_path / "cache")
+    square = evaluate_checkpoint(str(tiny_run.save), "ema", args, cache)
+    wide = evaluate_checkpoint(str(tiny_run.save), "ema", args, cache, size="48x80")
+    assert set(square.metrics) == set(wide.metrics) and square.metrics != wide.metrics
+    with pytest.raises(DataError, match=r"no samples in bucket 32x128 .* 80x48, 64x64, 48x80"):
+        evaluate_checkpoint(str(tiny_run.save), "ema", args, cache, size="32x128")
+    spec = ImageEvalSpec("m", "p", "r", "w", "c", str(tmp_path), size="48x80")
+    assert spec.hw() == {"height": 48, "width": 80}
+    with pytest.raises(ValueError, match="multiples of 8"):
+        ImageEvalSpec("m", "p", "r", "w", "c", str(tmp_path), size="50x80")
+    record = {"resolution": 64, "streams": [{"buckets": {"48x80": 3}}, {"buckets": {"48x80": 2, "64x64": 1}}]}
+    assert trained_buckets(record) == {"resolution": 64, "buckets": {"48x80": 5, "64x64": 1}}
+    assert trained_buckets({"resolution": 64}) is None
