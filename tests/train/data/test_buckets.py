@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from PIL import Image
 
@@ -192,3 +193,21 @@ def test_eval_takes_one_bucket_and_export_records_the_buckets(
     record = {"resolution": 64, "streams": [{"buckets": {"48x80": 3}}, {"buckets": {"48x80": 2, "64x64": 1}}]}
     assert trained_buckets(record) == {"resolution": 64, "buckets": {"48x80": 5, "64x64": 1}}
     assert trained_buckets({"resolution": 64}) is None
+
+
+def test_fid_reference_is_cut_to_the_bucket() -> None:
+    from train.eval.reference import content_key, decode_resized
+
+    rng = np.random.default_rng(0)
+    data = encode_png(rng.integers(0, 255, (150, 200, 3), dtype=np.uint8))
+    assert tuple(decode_resized(data, (48, 80)).shape) == (3, 48, 80)
+    assert tuple(decode_resized(data, 64).shape) == (3, 64, 64)
+    assert content_key([data], __file__, (48, 80)) != content_key([data], __file__, 64)
+
+
+def encode_png(pixels: np.ndarray) -> bytes:
+    import io
+
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, "PNG")
+    return out.getvalue()
