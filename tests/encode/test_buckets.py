@@ -13,6 +13,7 @@ from encode.config import EncodeConfig
 from encode.plan.fingerprints import EncoderIds, StageFingerprints, stage_fingerprints
 from encode.process.encoders import Encoders
 from encode.process.images import resize_center_crop, resize_cover
+from encode.publish.finalize import collect_garbage
 from shared import contract, storage
 from shared.buckets import auto_buckets, cover_box, cropped_shares, kept_fraction, nearest_bucket
 from shared.config import ConfigError
@@ -117,6 +118,11 @@ def test_encode_writes_one_stream_per_bucket(wds: Path, tmp_path: Path, encoders
     _, again = encode(make_cfg(wds, out, BUCKETED[0], explicit), encoders)
     moved = again.manifest.resolutions[64].buckets["64x64"]["num_samples"] - counts["64x64"]
     assert 0 < moved <= portrait and encoders.images_encoded == moved
+    # gc drops the first version's partition folders; the current version's bucket streams stay whole.
+    report = collect_garbage(Layout(str(out)))
+    assert report.deleted_versions == [result.manifest.version] and report.deleted_partition_dirs
+    for name, bucket in again.manifest.resolutions[64].buckets.items():
+        assert len(bucket_rows(out, 64, name)) == bucket["num_samples"]
 
 
 def test_buckets_keep_a_shape_at_the_edge_that_the_centre_crop_cuts_away() -> None:
