@@ -124,7 +124,7 @@ def prepare_sample(
             buckets[res] = bucket
             out.geometry[res] = (bucket, (height, width), box)  # type: ignore[assignment]
         hit = reuse.latents_for(sample.key, res)
-        if hit is not None and (res not in lists or _latent_fits(hit[0], bucket, res, cfg)):
+        if hit is not None and (res not in lists or _latent_fits(hit[0], bucket, cfg)):
             out.latents[res] = hit
         else:
             wanted.append(res)
@@ -146,7 +146,7 @@ def prepare_sample(
     return out
 
 
-def _latent_fits(latent: np.ndarray, bucket: Bucket, res: int, cfg: EncodeConfig) -> bool:
+def _latent_fits(latent: np.ndarray, bucket: Bucket, cfg: EncodeConfig) -> bool:
     """A reused latent fits when it was stored at this image's bucket (the crop is then the same: same
     source bytes, same bucket). Reuse is by key, so a changed bucket list re-encodes only moved images."""
     factor = get_preset(cfg.preset).vae_downsample
