@@ -12,7 +12,6 @@ with a warning that names them (`usable_buckets`).
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -185,11 +184,3 @@ def compile_per_bucket(num_buckets: int, compile: bool) -> str:
     )
     log.info(line)
     return line
-
-
-def default_bucket_streams(method: str, pinned: PinnedData, per_rank_batch: int) -> tuple[list[Any], str]:
-    """The bucket streams and batching method of a bucketed dataset for a loader built without them (e.g.
-    the bench's): the global batch from WORLD_SIZE, as torchrun sets it."""
-    global_batch = per_rank_batch * int(os.environ.get("WORLD_SIZE", "1"))
-    streams, _, method = run_streams(method, pinned, [], global_batch, download_timeout=60.0)
-    return streams or [], method

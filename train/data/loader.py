@@ -43,7 +43,6 @@ from shared.contract import (
 from shared.manifest import DatasetManifest, Layout, fingerprint, read_manifest
 from train.config import DataConfig
 from train.data import packing
-from train.data.buckets import default_bucket_streams
 from train.data.draws import SAMPLE_SEED
 from train.data.streaming_host import DataError, claim_local_dir, streaming_prefix_lock
 
@@ -72,7 +71,8 @@ class PinnedData:
     remote: str  # Layout.stream_root(resolution)
     local: str  # cache folder holding this version's index.json (and downloaded shards)
     hashed: bool = False  # every shard records SHARD_HASH: verify each when first read
-    # bucketed data: "HxW" -> the cache folder of that bucket's index, one stream each (train/data/buckets.py)
+    # A bucketed resolution (encode transform.buckets): "HxW" -> the cache folder holding that bucket's
+    # index, for each bucket with samples; read as one Streaming stream per bucket (train/data/buckets.py).
     buckets: dict[str, str] = field(default_factory=dict)
     bucket: str = ""  # eval only (train/eval/data.py): `local` holds this one bucket's index
 
@@ -84,7 +84,8 @@ class PinnedData:
         return self.manifest.num_samples(self.resolution)
 
     def record(self) -> dict[str, Any]:
-        """What a checkpoint remembers about the data it trained on (bucketed: each bucket's samples)."""
+        """What a checkpoint remembers about the data it was trained on (a bucketed resolution: also each
+        bucket's samples, which export writes into the pipeline folder's buckets.json)."""
         out = {
             "uri": self.root,
             "version": self.version,
@@ -289,8 +290,6 @@ def build_dataset(
     stored training columns, their sample seed and their stream. `streams`: Streaming `Stream`s of a
     data.streams mix (train/data/mix.py) or of a bucketed dataset's buckets (train/data/buckets.py), read
     instead of `pinned`, batched by `batching_method` (None: data.batching_method)."""
-    if pinned.buckets and not streams:  # a caller that knows nothing of buckets (the bench)
-        streams, batching_method = default_bucket_streams(cfg.batching_method, pinned, per_rank_batch)
     with streaming_prefix_lock():
         return _new_dataset(cfg, pinned, per_rank_batch, seed, streams, batching_method)
 
