@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from shared.buckets import auto_buckets, sort_buckets
 from shared.config import ConfigError
 from shared.contract import TOKEN_ID_LIMIT
 from shared.presets import get_preset
@@ -92,6 +93,24 @@ class TransformConfig:
     resolutions: list[int] = field(default_factory=lambda: [256, 512])
     resample: Literal["lanczos", "bicubic", "bilinear", "area"] = "bicubic"
     crop: Literal["center"] = "center"
+    # Aspect-ratio buckets (shared/buckets.py). "none": every image centre-cropped to a square (as before
+    # buckets existed; same fingerprints). "auto": per resolution R, kohya's standard list of (H, W) with
+    # about R*R pixels, sides multiples of bucket_step, aspect within filter.max_aspect_ratio. Or explicit
+    # lists per resolution, e.g. {256: [[256, 256], [192, 320], [320, 192]]}. Each image goes to the
+    # bucket nearest its aspect ratio, resized to cover it, centre-cropped by the least amount.
+    buckets: Literal["none", "auto"] | dict[int, list[tuple[int, int]]] = "none"
+    # Side step of auto buckets in px: 64 for SD (8x VAE x 8x U-Net downsampling); a multiple of the VAE's
+    # downsample factor. Tiny models: 16.
+    bucket_step: int = 64
+
+    def bucket_lists(self, max_aspect: float) -> dict[int, list[tuple[int, int]]]:
+        """resolution -> its buckets; {} when square-only (buckets: none)."""
+        if self.buckets == "none":
+            return {}
+        if self.buckets == "auto":
+            return {r: auto_buckets(r, self.bucket_step, max_aspect) for r in self.resolutions}
+        assert isinstance(self.buckets, dict)
+        return {r: sort_buckets(tuple(b) for b in self.buckets[r]) for r in self.resolutions}
 
 
 @dataclass
@@ -152,6 +171,7 @@ class EncodeConfig:
                 )
         if len(set(self.transform.resolutions)) != len(self.transform.resolutions):
             raise ConfigError(f"transform.resolutions repeats a value: {self.transform.resolutions}")
+        self._check_buckets(preset.vae_downsample)
         if self.text.store not in ("embeddings", "tokens"):
             raise ConfigError(f"text.store is {self.text.store!r}; use embeddings or tokens")
         if self.text.store == "tokens" and int(preset.text["vocab_size"]) > TOKEN_ID_LIMIT:
@@ -180,3 +200,26 @@ class EncodeConfig:
             )
         if self.encoder.batch_size < 1 or self.workers < 0:
             raise ConfigError("encoder.batch_size must be >= 1 and workers >= 0")
+
+    def _check_buckets(self, factor: int) -> None:
+        transform = self.transform
+        if transform.bucket_step < 1 or transform.bucket_step % factor:
+            raise ConfigError(
+                f"transform.bucket_step is {transform.bucket_step}, not a positive multiple of the "
+                f"{self.preset} VAE's downsample factor {factor}; use e.g. 64 (SD) or 16 (tiny)"
+            )
+        if isinstance(transform.buckets, dict):
+            missing = sorted(set(transform.resolutions) - set(transform.buckets))
+            extra = sorted(set(transform.buckets) - set(transform.resolutions))
+            if missing or extra:
+                raise ConfigError(
+                    f"transform.buckets lists resolutions {sorted(transform.buckets)} but "
+                    f"transform.resolutions is {transform.resolutions}; give one bucket list per resolution"
+                )
+        for res, buckets in transform.bucket_lists(self.filter.max_aspect_ratio).items():
+            bad = [b for b in buckets if min(b) < 1 or b[0] % factor or b[1] % factor]
+            if bad or not buckets:
+                raise ConfigError(
+                    f"transform.buckets at {res} px has {bad or 'no buckets'}: every bucket needs (height, "
+                    f"width) sides that are positive multiples of the VAE's downsample factor {factor}"
+                )

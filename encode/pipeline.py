@@ -89,7 +89,7 @@ class PartitionBatcher:
         texts = self._texts(batch)
         latents = self._latents(batch)
         for i, sample in enumerate(batch):
-            self.writer.write(sample.key, sample.caption, texts[i], latents[i])
+            self.writer.write(sample.key, sample.caption, texts[i], latents[i], sample.geometry)
 
     def _texts(self, batch: list[PreparedSample]) -> list[np.ndarray]:
         todo = [i for i, s in enumerate(batch) if s.text_embedding is None]
@@ -109,9 +109,13 @@ class PartitionBatcher:
         resolutions = sorted({res for s in batch for res in (*s.pixels, *s.latents)})
         for res in resolutions:
             todo = [i for i, s in enumerate(batch) if res in s.pixels]
-            if todo:
-                means, logvars = self.encoders.encode_images([batch[i].pixels[res] for i in todo])
-                for j, i in enumerate(todo):
+            # A bucketed resolution holds several shapes: the VAE runs once per shape present.
+            by_shape: dict[tuple[int, ...], list[int]] = {}
+            for i in todo:
+                by_shape.setdefault(batch[i].pixels[res].shape, []).append(i)
+            for group in by_shape.values():
+                means, logvars = self.encoders.encode_images([batch[i].pixels[res] for i in group])
+                for j, i in enumerate(group):
                     out[i][res] = (means[j], logvars[j])
             self.writer.count(f"latents:{res}", reused=False, n=len(todo))
             self.writer.count(f"latents:{res}", reused=True, n=sum(res in s.latents for s in batch))

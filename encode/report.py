@@ -43,6 +43,9 @@ def print_publish(result: PublishResult, cfg: EncodeConfig, seconds: float) -> N
             f"  {res:>5} px: {info.num_samples} samples, {per / 1024:.1f} KiB/sample, "
             f"{info.smaller_than_resolution} too small for this resolution"
         )
+        for name, bucket in (info.buckets or {}).items():
+            share = 100 * bucket["num_samples"] / info.num_samples if info.num_samples else 0.0
+            typer.echo(f"        bucket {name:>9}: {bucket['num_samples']} samples ({share:.1f}%)")
     rejected = sum(m.rejected.values())
     typer.echo(f"  read {m.samples_read} samples, rejected {rejected}:")
     for reason, count in sorted(m.rejected.items(), key=lambda kv: -kv[1]):

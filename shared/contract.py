@@ -29,6 +29,11 @@ TEXT_EMBEDDING = "text_embedding"  # float16 [L, D]: penultimate text layer + fi
 # text.store=tokens stores this instead of TEXT_EMBEDDING: the tokenizer's ids, uint16 [L]; train runs the
 # frozen text tower the manifest names on them. 154 B instead of 157,696 B per sample at SD2 shapes.
 TEXT_TOKENS = "text_tokens"
+# Bucketed resolutions (encode transform.buckets) also store where each latent came from, as SDXL-style
+# micro-conditioning needs it: the displayed image size and the crop box taken from it.
+ORIGINAL_SIZE = "original_size"  # int32 [2]: (height, width) of the upright source image, in px
+CROP_BOX = "crop_box"  # float32 [4]: (left, top, right, bottom) of the cropped region, in source px
+GEOMETRY_COLUMNS = {ORIGINAL_SIZE: "ndarray:int32:2", CROP_BOX: "ndarray:float32:4"}
 # The columns train decodes (a dataset holds one of the two text columns); key and caption are never read.
 TRAIN_COLUMNS = (LATENT_MEAN, LATENT_LOGVAR, TEXT_EMBEDDING, TEXT_TOKENS)
 
@@ -48,17 +53,26 @@ class Shapes:
     latent: tuple[int, int, int]
     text: tuple[int, int]  # the embedding the U-Net conditions on, [L, D], whichever way it is stored
     store: str = EMBEDDINGS  # text.store: the TEXT_EMBEDDING column, or TEXT_TOKENS [L] (shared/encoders.py)
+    bucketed: bool = False  # rows also hold GEOMETRY_COLUMNS (a bucketed resolution's streams)
 
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> Shapes:
         # Manifests written before text.store existed hold embeddings.
-        return cls(tuple(obj["latent"]), tuple(obj["text"]), obj.get("store", EMBEDDINGS))  # type: ignore[arg-type]
+        latent, text = tuple(obj["latent"]), tuple(obj["text"])
+        return cls(latent, text, obj.get("store", EMBEDDINGS), bool(obj.get("bucketed", False)))  # type: ignore[arg-type]
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"latent": list(self.latent), "text": list(self.text)}
         if self.store != EMBEDDINGS:  # embeddings manifests keep the JSON they always had
             out["store"] = self.store
+        if self.bucketed:  # square-only manifests too
+            out["bucketed"] = True
         return out
+
+    def for_bucket(self, bucket: tuple[int, int], downsample: int) -> Shapes:
+        """The row shapes of one bucket (pixel (H, W)) of this resolution: its latent is [C, H/f, W/f]."""
+        latent = (self.latent[0], bucket[0] // downsample, bucket[1] // downsample)
+        return replace(self, latent=latent, bucketed=True)
 
     @property
     def text_column(self) -> str:
@@ -89,23 +103,34 @@ def mds_columns(shapes: Shapes) -> dict[str, str]:
         LATENT_MEAN: _nd(LATENT_DTYPE, shapes.latent),
         LATENT_LOGVAR: _nd(LATENT_DTYPE, shapes.latent),
         shapes.text_column: shapes.text_encoding(),
+        **(GEOMETRY_COLUMNS if shapes.bucketed else {}),
     }
 
 
 def make_row(
-    key: str, caption: str, latent_mean: np.ndarray, latent_logvar: np.ndarray, text_embedding: np.ndarray
+    key: str,
+    caption: str,
+    latent_mean: np.ndarray,
+    latent_logvar: np.ndarray,
+    text_embedding: np.ndarray,
+    geometry: tuple[tuple[int, int], tuple[float, float, float, float]] | None = None,
 ) -> dict[str, Any]:
     """One MDS row, cast to the contract's dtypes (the writer then checks the shapes).
 
     `text_embedding` is the embedding [L, D] (floats), or token ids [L] (integers, text.store=tokens).
+    `geometry`: ((height, width), crop box) of a bucketed row (GEOMETRY_COLUMNS); None for square-only.
     """
-    return {
+    row = {
         KEY: key,
         CAPTION: caption,
         LATENT_MEAN: np.ascontiguousarray(latent_mean, dtype=LATENT_DTYPE),
         LATENT_LOGVAR: np.ascontiguousarray(np.clip(latent_logvar, *LOGVAR_RANGE), dtype=LATENT_DTYPE),
         **text_cell(text_embedding),
     }
+    if geometry is not None:
+        row[ORIGINAL_SIZE] = np.asarray(geometry[0], dtype=np.int32)
+        row[CROP_BOX] = np.asarray(geometry[1], dtype=np.float32)
+    return row
 
 
 def text_cell(text: np.ndarray) -> dict[str, np.ndarray]:
@@ -144,6 +169,9 @@ class Expectation:
     latent: tuple[int, int, int]
     text: tuple[int, int]
     scale_factor: float | None = None  # None: take the dataset's
+    # Latent sides must be multiples of this (the U-Net's 2x downsamplings: 8 for SD2's four levels); the
+    # square latent of a resolution is checked as `latent`, every bucket of a bucketed one by this.
+    latent_multiple: int = 1
 
 
 def check_compatible(manifest: Any, want: Expectation) -> None:
@@ -172,6 +200,7 @@ def check_compatible(manifest: Any, want: Expectation) -> None:
             f"dataset text embeddings are {list(shapes.text)} but the U-Net cross-attention expects "
             f"{list(want.text)}; encode and train must use the same preset's text encoder"
         )
+    check_buckets(manifest.resolutions[res], want)
     check_manifest_values(manifest, tuple(shapes.text))
     if want.scale_factor is not None and abs(manifest.scale_factor - want.scale_factor) > 1e-6:
         raise ContractError(
@@ -180,12 +209,30 @@ def check_compatible(manifest: Any, want: Expectation) -> None:
         )
 
 
+def check_buckets(info: Any, want: Expectation) -> None:
+    """Every bucket of a bucketed resolution holds latents the U-Net can take: the model's channels, sides
+    that are multiples of its downsampling (the square's shape was checked as `want.latent`)."""
+    if not getattr(info, "buckets", None):
+        return
+    for name, shapes in info.bucket_shapes(want.resolution).items():
+        channels, height, width = shapes.latent
+        if channels != want.latent[0] or height % want.latent_multiple or width % want.latent_multiple:
+            raise ContractError(
+                f"dataset bucket {name} at {want.resolution} px has latents {list(shapes.latent)}, but the "
+                f"model takes {want.latent[0]} channels with sides that are multiples of "
+                f"{want.latent_multiple}; re-encode with buckets whose sides are multiples of "
+                f"{want.latent_multiple * (want.resolution // want.latent[1])} px (transform.bucket_step)"
+            )
+
+
 # The dtype each ndarray column must have, for readers that do not know the shapes.
 _ARRAY_DTYPES = {
     LATENT_MEAN: LATENT_DTYPE,
     LATENT_LOGVAR: LATENT_DTYPE,
     TEXT_EMBEDDING: TEXT_DTYPE,
     TEXT_TOKENS: TOKEN_DTYPE,
+    ORIGINAL_SIZE: "int32",
+    CROP_BOX: "float32",
 }
 
 
@@ -274,6 +321,8 @@ def mds_column_sizes(shapes: Shapes) -> dict[str, int | None]:
     latent = np.dtype(LATENT_DTYPE).itemsize * int(np.prod(shapes.latent))
     sizes |= {LATENT_MEAN: latent, LATENT_LOGVAR: latent}
     sizes[shapes.text_column] = shapes.text_bytes()
+    if shapes.bucketed:
+        sizes |= {ORIGINAL_SIZE: 2 * 4, CROP_BOX: 4 * 4}
     return sizes
 
 

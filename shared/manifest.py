@@ -5,6 +5,8 @@
     <root>/versions/<vid>/<res>/index.json     that version's merged MDS index for one resolution
     <root>/<res>/index.json                    the current version's index (plain StreamingDataset works)
     <root>/<res>/<partition>-<fp>/shard.*.mds  immutable partition outputs, shared between versions
+    <root>/versions/<vid>/<res>/<HxW>/index.json   a bucketed resolution (encode transform.buckets): one
+    <root>/<res>/<partition>-<fp>/<HxW>/shard.*    index per bucket, shards in a sub-folder per bucket
     <root>/_parts/<partition>/<recipe>.json    done-markers: what produced a partition, and its counts
 
 Shards live under `<root>/<res>/` so every index (current or older version) names them by a relative path
@@ -22,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from shared import storage
+from shared.buckets import parse_bucket
 from shared.contract import CONTRACT_VERSION, Shapes
 from shared.encoders import EncoderIdentity
 
@@ -57,6 +60,10 @@ class Layout:
 
     def version_index(self, vid: str, resolution: int) -> str:
         return storage.join(self.version_dir(vid), str(resolution), INDEX_NAME)
+
+    def bucket_index(self, vid: str, resolution: int, bucket: str) -> str:
+        """A bucketed resolution's per-bucket index of one version (shards named below stream_root)."""
+        return storage.join(self.version_dir(vid), str(resolution), bucket, INDEX_NAME)
 
     def stream_root(self, resolution: int) -> str:
         """The `remote` a StreamingDataset uses for one resolution."""
@@ -95,6 +102,14 @@ class ResolutionInfo:
     bytes: int  # bytes of this resolution's shard files
     smaller_than_resolution: int  # passed the filters but too small for this resolution (never upscaled)
     fingerprint: str  # of everything that shaped this resolution's rows
+    # A bucketed resolution: "HxW" (pixels) -> {"num_samples": n, "bytes": b}, portrait to landscape.
+    # None: square-only (every row at `shapes`; such manifests keep the JSON they always had).
+    buckets: dict[str, dict[str, int]] | None = None
+
+    def bucket_shapes(self, resolution: int) -> dict[str, Shapes]:
+        """ "HxW" -> the row shapes of that bucket of this `resolution` ({} when square-only)."""
+        factor = resolution // self.shapes.latent[1]  # the VAE's downsample factor
+        return {name: self.shapes.for_bucket(parse_bucket(name), factor) for name in self.buckets or {}}
 
 
 @dataclass
@@ -147,9 +162,7 @@ class DatasetManifest:
         from shared.contract import mds_columns
 
         out = asdict(self)
-        out["resolutions"] = {
-            str(r): {**asdict(info), "shapes": info.shapes.to_json()} for r, info in self.resolutions.items()
-        }
+        out["resolutions"] = {str(r): _resolution_json(info) for r, info in self.resolutions.items()}
         out["num_samples"] = {str(r): info.num_samples for r, info in self.resolutions.items()}
         out["schema"] = {str(r): mds_columns(info.shapes) for r, info in self.resolutions.items()}
         out["empty_caption_embedding"] = encode_array(self.empty_caption_embedding)
@@ -175,6 +188,13 @@ class DatasetManifest:
         if obj.get("empty_caption_tokens") is not None:
             obj["empty_caption_tokens"] = decode_array(obj["empty_caption_tokens"])
         return cls(**obj)
+
+
+def _resolution_json(info: ResolutionInfo) -> dict[str, Any]:
+    out = {**asdict(info), "shapes": info.shapes.to_json()}
+    if info.buckets is None:
+        out.pop("buckets")
+    return out
 
 
 def read_manifest(root: str, version: str | None = None) -> DatasetManifest:

@@ -141,6 +141,7 @@ def eval_checkpoint(
     overrides: list[str] = typer.Argument(None, help="eval settings, e.g. uri=s3://b/val num_samples=256"),
     weights: str = typer.Option("ema", help="ema (default) or training"),
     out: str = typer.Option("", help="write the metrics as flat JSON here (local or s3://)"),
+    size: str = typer.Option("", help="HxW px: a bucket of a bucketed eval dataset (default its square)"),
 ) -> None:
     """The held-out loss of a checkpoint: the numbers training logged as eval/<weights>/loss*."""
     from train.eval.checkpoint import evaluate_checkpoint, write_metrics
@@ -148,7 +149,7 @@ def eval_checkpoint(
 
     _setup_logging()
     try:
-        result = evaluate_checkpoint(checkpoint, weights, overrides or [])
+        result = evaluate_checkpoint(checkpoint, weights, overrides or [], size=size)
         if out:
             write_metrics(result, out)
     except (*_user_errors(), ExportError) as err:
@@ -179,6 +180,7 @@ def eval_images(
     batch_size: int = typer.Option(8, help="images per pipeline call on each rank"),
     num_reference: int = typer.Option(0, help="reference images to use, in order (0: all)"),
     cache_dir: str = typer.Option("", help="reference feature cache (default: a private temp folder)"),
+    size: str = typer.Option("", help="HxW px to generate at, e.g. a bucket trained on (default: square)"),
 ) -> None:
     """FID, KID and CLIP score over guidance scales (run under torchrun to split the prompts over GPUs)."""
     from train.eval.images import ImageEvalSpec, run_eval_images
@@ -188,7 +190,7 @@ def eval_images(
         scales = [float(g) for g in guidance.split(",") if g.strip()]
         spec = ImageEvalSpec(
             model, prompts_from, reference, inception_weights, clip_model, out, num_images, scales, steps,
-            seed, batch_size, num_reference, cache_dir,
+            seed, batch_size, num_reference, cache_dir, size,
         )  # fmt: skip
         report = run_eval_images(spec)
     except ValueError as err:  # ConfigError and a malformed --guidance

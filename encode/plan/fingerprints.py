@@ -32,6 +32,7 @@ from encode.plan.integrity import (
 )
 from encode.sources import Partition
 from shared import storage
+from shared.buckets import bucket_name, parse_bucket
 from shared.contract import CONTRACT_VERSION
 from shared.manifest import Layout, fingerprint
 
@@ -60,14 +61,26 @@ class StageFingerprints:
     select: str
     text: str
     image: dict[int, str]
+    # Bucketed resolutions' bucket lists (transform.buckets); square-only resolutions are absent, so a
+    # square-only config fingerprints exactly as before buckets existed. The lists are not in `image`:
+    # a latent depends only on its own bucket (checked per key at reuse), the list only on where each
+    # image goes, so a changed list re-encodes only the images that move to another bucket.
+    buckets: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
 
     def output_fingerprint(self, source: str, resolution: int) -> str:
         """Everything that shapes the rows of one partition at one resolution."""
-        return fingerprint([CONTRACT_VERSION, source, self.select, self.text, self.image[resolution]])
+        parts: list[Any] = [CONTRACT_VERSION, source, self.select, self.text, self.image[resolution]]
+        if resolution in self.buckets:
+            parts.append({"buckets": [list(b) for b in self.buckets[resolution]]})
+        return fingerprint(parts)
 
     def recipe(self, source: str) -> str:
         """Everything that shapes a partition at all resolutions: names its done-marker."""
-        return fingerprint([CONTRACT_VERSION, source, self.select, self.text, sorted(self.image.items())])
+        parts: list[Any] = [CONTRACT_VERSION, source, self.select, self.text, sorted(self.image.items())]
+        if self.buckets:
+            lists = {str(r): [list(b) for b in bs] for r, bs in sorted(self.buckets.items())}
+            parts.append({"buckets": lists})
+        return fingerprint(parts)
 
 
 def stage_fingerprints(cfg: EncodeConfig, encoders: EncoderIds) -> StageFingerprints:
@@ -90,7 +103,7 @@ def stage_fingerprints(cfg: EncodeConfig, encoders: EncoderIds) -> StageFingerpr
         res: fingerprint([IMAGE_CODE_VERSION, res, cfg.transform.resample, cfg.transform.crop, encoders.vae])
         for res in cfg.transform.resolutions
     }
-    return StageFingerprints(select, text, image)
+    return StageFingerprints(select, text, image, cfg.transform.bucket_lists(cfg.filter.max_aspect_ratio))
 
 
 def output_dirname(partition: Partition, output_fp: str) -> str:
@@ -115,7 +128,9 @@ class DoneMarker:
     select: str
     text: str
     image: dict[int, str]
-    outputs: dict[int, dict[str, Any]]  # res -> {"dir": str | None, "num_samples": int, "bytes": int}
+    # res -> {"dir": str | None, "num_samples": int, "bytes": int, "shards": [...]}; a bucketed resolution
+    # adds "buckets": {"HxW": {"num_samples", "bytes", "shards"}} (shards below <dir>/<HxW>/)
+    outputs: dict[int, dict[str, Any]]
     samples_read: int
     rejected: dict[str, int]
     smaller_than_resolution: dict[int, int]
@@ -155,8 +170,19 @@ class DoneMarker:
                 raise UnsafeOutputError(f"{where}: an output is not an object")
             if out.get("dir") is not None and not is_output_dir(out["dir"], self.partition):
                 raise UnsafeOutputError(f"{where}: output folder {out['dir']!r} is not this partition's")
-            for shard in out.get("shards", []):
+            buckets = out.get("buckets") or {}
+            if not isinstance(buckets, dict) or not all(_is_bucket_name(b) for b in buckets):
+                raise UnsafeOutputError(f"{where}: an output's buckets are not named HxW")
+            in_buckets = [s for b in buckets.values() for s in b.get("shards", [])]
+            for shard in [*out.get("shards", []), *in_buckets]:
                 check_shard_entry(shard, where)
+
+
+def _is_bucket_name(name: Any) -> bool:
+    try:
+        return isinstance(name, str) and bucket_name(parse_bucket(name)) == name
+    except ValueError:
+        return False
 
 
 @dataclass(frozen=True)
@@ -167,6 +193,7 @@ class ReuseSource:
     text: bool  # its text embeddings fit the current text fingerprint
     latents: bool  # its latents fit the current image fingerprint at `resolution`
     resolution: int
+    bucket: tuple[int, int] | None = None  # a bucketed output: the folder holds this bucket's rows
 
 
 @dataclass
@@ -276,9 +303,14 @@ def find_reuse(
             latents_fit = (
                 res in stages.image and marker.image.get(res) == stages.image[res] and marker.source == source
             )
-            if text_fits or latents_fit:
-                uri = layout.partition_output(res, out["dir"])
+            if not (text_fits or latents_fit):
+                continue
+            uri = layout.partition_output(res, out["dir"])
+            if "buckets" not in out:
                 found.append(ReuseSource(uri, text_fits, latents_fit, res))
+            for name in sorted(out.get("buckets") or {}):
+                bucket_uri = storage.join(uri, name)
+                found.append(ReuseSource(bucket_uri, text_fits, latents_fit, res, parse_bucket(name)))
     return found
 
 

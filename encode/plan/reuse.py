@@ -106,11 +106,11 @@ class ReuseTable:
 
 
 def load_reuse_table(
-    sources: Sequence[ReuseSource], shapes_for: Callable[[int], contract.Shapes] | None = None
+    sources: Sequence[ReuseSource], shapes_for: Callable[[int, Any], contract.Shapes] | None = None
 ) -> ReuseTable:
     """Index reusable rows of earlier outputs (first source wins per key: they come newest first).
 
-    `shapes_for(resolution)`: the contract's shapes there, so a stored folder must match them exactly.
+    `shapes_for(resolution, bucket)`: the contract's shapes there, so a stored folder must match them exactly.
     A folder the contract does not allow is skipped with a warning: its rows are encoded again.
     """
     table = ReuseTable()
@@ -119,7 +119,8 @@ def load_reuse_table(
         if folder is None:
             continue  # gone (garbage-collected): its work is simply redone
         try:
-            readers = open_mds_readers(folder, shapes_for(source.resolution) if shapes_for else None)
+            shapes = shapes_for(source.resolution, source.bucket) if shapes_for else None
+            readers = open_mds_readers(folder, shapes)
         except UnsafeOutputError as err:
             log.warning("not reusing %s, its rows are encoded again: %s", source.uri, err)
             continue

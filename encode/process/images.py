@@ -1,4 +1,5 @@
-"""Decode an image once, fix orientation and mode, then resize + center-crop it at every resolution.
+"""Decode an image once, fix orientation and mode, then resize + center-crop it at every resolution (or,
+with aspect-ratio buckets, resize it to cover its bucket and centre-crop the overhang: `resize_cover`).
 
 Orchestration: `probe_size` (header only) feeds the size filters; `decode_rgb` decodes survivors once;
 `resize_center_crop` is then called for each configured resolution *from the decoded image*, not from the
@@ -19,10 +20,12 @@ import contextlib
 import io
 import math
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import numpy as np
 from PIL import Image
+
+from shared.buckets import Bucket, cover_box
 
 EXIF_ORIENTATION_TAG = 0x0112
 # EXIF orientations 5-8 store the image rotated by 90 degrees: width and height swap on display.
@@ -190,23 +193,53 @@ def decoded_size(data: bytes, max_pixels: int, min_side: int | None) -> tuple[in
 
 
 def resize_for_resolutions(
-    data: bytes, max_pixels: int, resolutions: Sequence[int], resample: str
+    data: bytes,
+    max_pixels: int,
+    resolutions: Sequence[int],
+    resample: str,
+    buckets: Mapping[int, Bucket] | None = None,
 ) -> dict[int, np.ndarray | None]:
     """`resize_center_crop` of the image at every resolution (None: smaller than it), decoding as little
-    as each needs.
+    as each needs; a resolution in `buckets` is resized to cover its bucket instead (`resize_cover`).
 
     A JPEG at least 2x a resolution decodes at a reduced DCT scale chosen for that resolution alone
     (`decode_rgb(min_side=resolution)`), so a resolution's pixels never depend on which other resolutions
     are configured or reused; resolutions that get the same scale share one decode.
     """
+    buckets = buckets or {}
+    sides = {res: draft_side(max(buckets[res]) if res in buckets else res) for res in resolutions}
     by_size: dict[tuple[int, int], list[int]] = {}
     for res in resolutions:
-        by_size.setdefault(decoded_size(data, max_pixels, draft_side(res)), []).append(res)
+        by_size.setdefault(decoded_size(data, max_pixels, sides[res]), []).append(res)
     out: dict[int, np.ndarray | None] = {}
     for group in by_size.values():
-        image = decode_rgb(data, max_pixels, min_side=draft_side(group[0]))
-        out.update((res, resize_center_crop(image, res, resample)) for res in group)
+        image = decode_rgb(data, max_pixels, min_side=sides[group[0]])
+        for res in group:
+            if res in buckets:
+                out[res] = resize_cover(image, buckets[res], resample)
+            else:
+                out[res] = resize_center_crop(image, res, resample)
     return out
+
+
+def resize_cover(img: Image.Image, bucket: Bucket, resample: str) -> np.ndarray | None:
+    """uint8 HWC RGB at the bucket's (height, width): the image scaled to cover it, centre-cropped by the
+    least amount (shared/buckets.py `cover_box`), in one resample. None when covering needs an upscale.
+
+    A drafted JPEG is smaller than the original; the box is proportional, so the pixels kept are the same.
+    """
+    if resample not in RESAMPLE:
+        raise ValueError(f"unknown resample {resample!r}; use one of {', '.join(RESAMPLE)}")
+    if img.mode != "RGB":
+        img = to_rgb(img)
+    width, height = img.size
+    box = cover_box(width, height, bucket)
+    if box is None:
+        return None
+    bucket_h, bucket_w = bucket
+    gap = REDUCING_GAP if (box[2] - box[0]) > bucket_w else None
+    out = img.resize((bucket_w, bucket_h), RESAMPLE[resample], box=box, reducing_gap=gap)
+    return np.ascontiguousarray(np.asarray(out, dtype=np.uint8))
 
 
 def draft_side(resolution: int) -> int:

@@ -30,7 +30,10 @@ from encode.process.filters import (
 from encode.process.images import ImageRejected, probe_size, resize_for_resolutions
 from encode.sources import RawSample, Rejected, read_partition
 from shared import contract
+from shared.buckets import Bucket, cover_box, nearest_bucket
 from shared.presets import get_preset
+
+Geometry = tuple[Bucket, tuple[int, int], tuple[float, float, float, float]]
 
 
 @dataclass
@@ -42,6 +45,8 @@ class PreparedSample:
     text_embedding: np.ndarray | None  # reused (token ids with text.store=tokens), or None: to encode
     pixels: dict[int, np.ndarray] = field(default_factory=dict)  # res -> uint8 HWC, to encode
     latents: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)  # res -> reused
+    # bucketed resolutions only: res -> (bucket (H, W), upright source size (H, W), crop box in source px)
+    geometry: dict[int, Geometry] = field(default_factory=dict)
 
 
 @dataclass
@@ -102,19 +107,31 @@ def prepare_sample(
         chosen.text_input,
         reuse.text_for(sample.key, chosen.caption),
     )
-    shorter = min(chosen.size)
-    wanted = []
+    width, height = chosen.size
+    lists = cfg.transform.bucket_lists(cfg.filter.max_aspect_ratio)
+    wanted, buckets = [], {}
     for res in cfg.transform.resolutions:
-        if shorter < res:
+        if res in lists:
+            bucket = nearest_bucket(width, height, lists[res])
+            box = cover_box(width, height, bucket)
+            fits = box is not None
+        else:
+            fits = min(width, height) >= res
+        if not fits:
             end.smaller_than_resolution[res] += 1  # never upscaled: simply absent at this resolution
-        elif (hit := reuse.latents_for(sample.key, res)) is not None:
+            continue
+        if res in lists:
+            buckets[res] = bucket
+            out.geometry[res] = (bucket, (height, width), box)  # type: ignore[assignment]
+        hit = reuse.latents_for(sample.key, res)
+        if hit is not None and (res not in lists or _latent_fits(hit[0], bucket, cfg)):
             out.latents[res] = hit
         else:
             wanted.append(res)
     if wanted:
         try:  # JPEGs >= 2x a resolution decode at a reduced scale (encode/process/images.py)
             resized = resize_for_resolutions(
-                sample.image or b"", cfg.filter.max_pixels, wanted, cfg.transform.resample
+                sample.image or b"", cfg.filter.max_pixels, wanted, cfg.transform.resample, buckets
             )
         except ImageRejected as err:
             end.rejected[err.reason] += 1
@@ -123,15 +140,29 @@ def prepare_sample(
             pixels = resized[res]
             if pixels is None:
                 end.smaller_than_resolution[res] += 1
+                out.geometry.pop(res, None)
             else:
                 out.pixels[res] = pixels
     return out
 
 
-def contract_shapes(cfg: EncodeConfig) -> Callable[[int], contract.Shapes]:
-    """The contract's row shapes at any resolution for this config's preset (what reused rows must have)."""
+def _latent_fits(latent: np.ndarray, bucket: Bucket, cfg: EncodeConfig) -> bool:
+    """A reused latent fits when it was stored at this image's bucket (the crop is then the same: same
+    source bytes, same bucket). Reuse is by key, so a changed bucket list re-encodes only moved images."""
+    factor = get_preset(cfg.preset).vae_downsample
+    return tuple(latent.shape[-2:]) == (bucket[0] // factor, bucket[1] // factor)
+
+
+def contract_shapes(cfg: EncodeConfig) -> Callable[[int, Bucket | None], contract.Shapes]:
+    """The contract's row shapes at any resolution (and bucket of it) for this config's preset (what reused
+    rows must have)."""
     preset = get_preset(cfg.preset)
-    return lambda res: contract.Shapes(preset.latent_shape(res), preset.text_shape(), cfg.text.store)
+
+    def shapes(res: int, bucket: Bucket | None = None) -> contract.Shapes:
+        square = contract.Shapes(preset.latent_shape(res), preset.text_shape(), cfg.text.store)
+        return square if bucket is None else square.for_bucket(bucket, preset.vae_downsample)
+
+    return shapes
 
 
 def prepare_partition(plan: PartitionPlan, cfg: EncodeConfig) -> Iterator[PreparedSample | PartitionEnd]:

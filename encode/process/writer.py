@@ -17,14 +17,17 @@ import uuid
 from collections import Counter
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from encode.config import EncodeConfig
 from encode.plan.fingerprints import DoneMarker, PartitionPlan, StageFingerprints
-from encode.process.prepare import PartitionEnd
+from encode.process.prepare import Geometry, PartitionEnd
 from shared import contract, storage
+from shared.buckets import bucket_name
 from shared.manifest import INDEX_NAME, Layout, fingerprint
+from shared.presets import get_preset
 
 # encode/pipeline.py publishes (and so discards) a partition on a background thread while the main thread
 # opens the next partition's writer: the empty-root cleanup in `discard` and a writer creating its folder
@@ -62,7 +65,8 @@ def remove_stale_staging(layout: Layout, partition_ids: list[str]) -> None:
 
 
 class PartitionWriter:
-    """One MDSWriter per resolution for one partition; rows arrive in input order."""
+    """One MDSWriter per resolution for one partition (per bucket of a bucketed resolution, opened at its
+    first row: `<staging>/<res>/<HxW>/`); rows arrive in input order."""
 
     def __init__(
         self,
@@ -71,29 +75,35 @@ class PartitionWriter:
         layout: Layout,
         shapes: dict[int, contract.Shapes],
     ):
-        from streaming import MDSWriter
-
-        self.plan, self.cfg, self.layout = plan, cfg, layout
+        self.plan, self.cfg, self.layout, self.shapes = plan, cfg, layout, shapes
         self.started = time.perf_counter()
-        self.rows: Counter[int] = Counter()
+        self.rows: Counter[tuple[int, str | None]] = Counter()
         self.encoded: Counter[str] = Counter()
         self.reused: Counter[str] = Counter()
         self.finished = False
+        self.bucketed = set(cfg.transform.bucket_lists(cfg.filter.max_aspect_ratio))
+        self.factor = get_preset(cfg.preset).vae_downsample
         with _STAGING_LOCK:  # the staging root must not vanish between its check and our mkdir
             self.staging = (
                 staging_root(layout) / f"{staging_prefix(layout, plan.partition.id)}{uuid.uuid4().hex[:8]}"
             )
             self.writers = {
-                res: MDSWriter(
-                    out=str(self.staging / str(res)),
-                    columns=contract.mds_columns(shapes[res]),
-                    compression=cfg.output.compression,
-                    size_limit=cfg.output.shard_size_limit,
-                    hashes=[contract.SHARD_HASH],  # train verifies each shard against it on first read
-                    exist_ok=True,
-                )
+                (res, None): self._open(self.staging / str(res), shapes[res])
                 for res in shapes
+                if res not in self.bucketed
             }
+
+    def _open(self, out: Path, shapes: contract.Shapes) -> Any:
+        from streaming import MDSWriter
+
+        return MDSWriter(
+            out=str(out),
+            columns=contract.mds_columns(shapes),
+            compression=self.cfg.output.compression,
+            size_limit=self.cfg.output.shard_size_limit,
+            hashes=[contract.SHARD_HASH],  # train verifies each shard against it on first read
+            exist_ok=True,
+        )
 
     def write(
         self,
@@ -101,10 +111,21 @@ class PartitionWriter:
         caption: str,
         text_embedding: np.ndarray,
         latents: dict[int, tuple[np.ndarray, np.ndarray]],
+        geometry: dict[int, Geometry] | None = None,
     ) -> None:
         for res, (mean, logvar) in latents.items():
-            self.writers[res].write(contract.make_row(key, caption, mean, logvar, text_embedding))
-            self.rows[res] += 1
+            if res not in self.bucketed:
+                self.writers[(res, None)].write(contract.make_row(key, caption, mean, logvar, text_embedding))
+                self.rows[(res, None)] += 1
+                continue
+            bucket, size, box = (geometry or {})[res]
+            slot = (res, bucket_name(bucket))
+            if slot not in self.writers:
+                shapes = self.shapes[res].for_bucket(bucket, self.factor)
+                self.writers[slot] = self._open(self.staging / str(res) / slot[1], shapes)
+            row = contract.make_row(key, caption, mean, logvar, text_embedding, (size, box))
+            self.writers[slot].write(row)
+            self.rows[slot] += 1
 
     def count(self, stage: str, reused: bool, n: int = 1) -> None:
         (self.reused if reused else self.encoded)[stage] += n
@@ -114,7 +135,7 @@ class PartitionWriter:
         for writer in self.writers.values():
             writer.finish()
         self.finished = True
-        outputs = {res: self._publish_resolution(res) for res in self.writers}
+        outputs = {res: self._publish_resolution(res) for res in self.shapes}
         marker = DoneMarker(
             partition=self.plan.partition.id,
             recipe=self.plan.recipe,
@@ -126,7 +147,7 @@ class PartitionWriter:
             samples_read=end.samples_read,
             rejected=dict(end.rejected),
             admitted_unchecked=dict(end.admitted_unchecked),
-            smaller_than_resolution={res: end.smaller_than_resolution.get(res, 0) for res in self.writers},
+            smaller_than_resolution={res: end.smaller_than_resolution.get(res, 0) for res in self.shapes},
             encoded=_counts(self.encoded),
             reused=_counts(self.reused),
             seconds=round(time.perf_counter() - self.started, 3),
@@ -140,13 +161,33 @@ class PartitionWriter:
         """Move one resolution's shards into place. The marker keeps their index entries, so publishing
         a version never re-reads tens of thousands of partition indexes."""
         local = self.staging / str(res)
-        if not self.rows[res]:
+        if res in self.bucketed:
+            return self._publish_buckets(res, local)
+        if not self.rows[(res, None)]:
             return {"dir": None, "num_samples": 0, "bytes": 0, "shards": []}
         size = sum(p.stat().st_size for p in local.iterdir() if p.is_file())
         shards = json.loads((local / INDEX_NAME).read_text())["shards"]
         dirname = self.plan.outputs[res]
         storage.upload_dir(local, self.layout.partition_output(res, dirname))
-        return {"dir": dirname, "num_samples": self.rows[res], "bytes": size, "shards": shards}
+        return {"dir": dirname, "num_samples": self.rows[(res, None)], "bytes": size, "shards": shards}
+
+    def _publish_buckets(self, res: int, local: Path) -> dict[str, object]:
+        """A bucketed resolution: one sub-folder per bucket with rows, uploaded as one partition output."""
+        buckets: dict[str, dict[str, object]] = {}
+        for (r, name), count in sorted(self.rows.items(), key=lambda kv: str(kv[0])):
+            if r != res or name is None or not count:
+                continue
+            folder = local / name
+            size = sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
+            shards = json.loads((folder / INDEX_NAME).read_text())["shards"]
+            buckets[name] = {"num_samples": count, "bytes": size, "shards": shards}
+        total = sum(int(b["num_samples"]) for b in buckets.values())  # type: ignore[call-overload]
+        if not total:
+            return {"dir": None, "num_samples": 0, "bytes": 0, "shards": [], "buckets": {}}
+        dirname = self.plan.outputs[res]
+        storage.upload_dir(local, self.layout.partition_output(res, dirname))
+        size = sum(int(b["bytes"]) for b in buckets.values())  # type: ignore[call-overload]
+        return {"dir": dirname, "num_samples": total, "bytes": size, "shards": [], "buckets": buckets}
 
     def discard(self) -> None:
         if not self.finished:  # close the writers' threads and files before deleting what they wrote

@@ -17,7 +17,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -38,6 +38,7 @@ from encode.plan.integrity import is_inside, is_output_dir, is_version_id, marke
 from encode.process.encoders import Encoders
 from encode.sources import list_partitions
 from shared import storage
+from shared.buckets import bucket_name
 from shared.config import config_to_dict
 from shared.encoders import TOKENS
 from shared.leases import live_leases
@@ -94,22 +95,42 @@ def require_all_done(plans: Sequence[PartitionPlan]) -> list[DoneMarker]:
     return reads.markers
 
 
-def merged_index(markers: Sequence[DoneMarker], resolution: int) -> dict[str, Any]:
+def merged_index(markers: Sequence[DoneMarker], resolution: int, bucket: str | None = None) -> dict[str, Any]:
     """One MDS index over every partition's shards (what streaming's `merge_index` makes), in partition order.
 
     Built from the shard entries each done-marker keeps rather than with `merge_index`, which would read
     every partition's index.json again, and because each version's index lives under versions/<vid>/ while
-    its shards stay under the resolution's stream root: basenames are relative to that root.
+    its shards stay under the resolution's stream root: basenames are relative to that root. `bucket`: one
+    bucket's index of a bucketed resolution (its shards sit in `<dir>/<HxW>/`).
     """
     shards = []
     for marker in markers:
         out = marker.outputs.get(resolution, {})
-        for shard in copy.deepcopy(out.get("shards", [])):
+        folder, entries = out.get("dir"), out.get("shards", [])
+        if bucket is not None:
+            folder = f"{folder}/{bucket}"
+            entries = (out.get("buckets") or {}).get(bucket, {}).get("shards", [])
+        for shard in copy.deepcopy(entries):
             for part in ("raw_data", "zip_data", "raw_meta", "zip_meta"):
                 if shard.get(part):
-                    shard[part]["basename"] = f"{out['dir']}/{shard[part]['basename']}"
+                    shard[part]["basename"] = f"{folder}/{shard[part]['basename']}"
             shards.append(shard)
     return {"version": 2, "shards": shards}
+
+
+def bucket_counts(
+    buckets: Sequence[tuple[int, int]], outs: Sequence[dict[str, Any]]
+) -> dict[str, dict[str, int]]:
+    """ "HxW" -> samples and bytes over every partition, for each configured bucket (empty ones too)."""
+    counts = {}
+    for bucket in buckets:
+        name = bucket_name(bucket)
+        got = [(o.get("buckets") or {}).get(name, {}) for o in outs]
+        counts[name] = {
+            "num_samples": sum(int(g.get("num_samples", 0)) for g in got),
+            "bytes": sum(int(g.get("bytes", 0)) for g in got),
+        }
+    return counts
 
 
 def dataset_fingerprint(stages: StageFingerprints, markers: Sequence[DoneMarker]) -> str:
@@ -124,12 +145,14 @@ def build_manifest(
     resolutions = {}
     for res in cfg.transform.resolutions:
         outs = [m.outputs.get(res, {}) for m in markers]
+        shapes = encoders.shapes(res, cfg.text.store)
         resolutions[res] = ResolutionInfo(
             num_samples=sum(o.get("num_samples", 0) for o in outs),
-            shapes=encoders.shapes(res, cfg.text.store),
+            shapes=replace(shapes, bucketed=True) if res in stages.buckets else shapes,
             bytes=sum(o.get("bytes", 0) for o in outs),
             smaller_than_resolution=sum(m.smaller_than_resolution.get(res, 0) for m in markers),
             fingerprint=fingerprint([stages.image[res], [o.get("dir") for o in outs]]),
+            buckets=bucket_counts(stages.buckets[res], outs) if res in stages.buckets else None,
         )
     identity = encoders.identity(cfg)
     rejected: Counter[str] = Counter()
@@ -187,6 +210,10 @@ def publish(cfg: EncodeConfig, encoders: Encoders) -> PublishResult:
     vid = f"{datetime.now(UTC).strftime('%Y%m%dT%H%M%S%fZ')}-{fp[:8]}"
     manifest = build_manifest(cfg, encoders, stages, markers, vid)
     for res in cfg.transform.resolutions:
+        for name in manifest.resolutions[res].buckets or {}:
+            storage.write_json(layout.bucket_index(vid, res, name), merged_index(markers, res, name))
+        if manifest.resolutions[res].buckets is not None:
+            continue  # no one index: Streaming reads a bucketed resolution as one stream per bucket
         index = merged_index(markers, res)
         storage.write_json(layout.version_index(vid, res), index)
         storage.write_json(layout.current_index(res), index)
@@ -216,6 +243,7 @@ def dataset_metrics(manifest: DatasetManifest, markers: Sequence[DoneMarker]) ->
             "smaller_than_resolution": info.smaller_than_resolution,
             "latents_encoded": encoded,
             "latents_reused": reused,
+            **({"buckets": info.buckets} if info.buckets is not None else {}),
         }
     return {
         "version": manifest.version,

@@ -11,6 +11,7 @@ embedding come from the real tiny encoders, so export's encoder check passes on 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import os
@@ -54,7 +55,9 @@ def _write_partition(out_dir: str, shapes: Shapes, keys: range, rng: np.random.G
             mean = rng.normal(0.0, 1.0, shapes.latent)
             logvar = rng.uniform(-6.0, -2.0, shapes.latent)
             text = rng.normal(0.0, 1.0, shapes.text)
-            writer.write(make_row(f"{i:06d}", f"caption {i}", mean, logvar, text))
+            height, width = shapes.latent[1] * 8, shapes.latent[2] * 8
+            geometry = ((height, width), (0.0, 0.0, float(width), float(height))) if shapes.bucketed else None
+            writer.write(make_row(f"{i:06d}", f"caption {i}", mean, logvar, text, geometry))
 
 
 def _merged_index(stream_dir: Path, partitions: list[str]) -> dict[str, Any]:
@@ -80,11 +83,14 @@ def write_fake_dataset(
     latent_shape: tuple[int, int, int] | None = None,
     text_shape: tuple[int, int] | None = None,
     salt: str = "",
+    buckets: dict[str, int] | None = None,
 ) -> DatasetManifest:
     """Write an encode output (local path or s3:// URI), `n` random rows per resolution; returns its manifest.
 
     `latent_shape` / `text_shape` override the preset's shapes (contract-mismatch tests); `salt` changes the
     dataset fingerprint without changing rows. Writing a second `version` into the same root adds a version.
+    `buckets`: write every resolution bucketed ("HxW" -> rows; `n` is then their sum), as encode's
+    transform.buckets does (shards in `<res>/<part>/<HxW>/`, one index per bucket).
     """
     root = str(root)
     p = get_preset(preset)
@@ -96,6 +102,10 @@ def write_fake_dataset(
     infos = {}
     for res in resolutions:
         shapes = Shapes(latent_shape or p.latent_shape(res), text_shape or p.text_shape())
+        if buckets:
+            n = sum(buckets.values())
+            infos[res] = _write_buckets(staging, version, res, shapes, buckets, partitions, seed)
+            continue
         infos[res] = _write_resolution(staging, version, res, shapes, n, partitions, seed, salt)
     dataset_fp = fingerprint(
         {"n": n, "seed": seed, "res": list(resolutions), "salt": salt, "version": version}
@@ -140,6 +150,32 @@ def _write_resolution(
     return ResolutionInfo(n, shapes, size, 0, fingerprint([seed, res, n, salt]))
 
 
+def _write_buckets(
+    staging: Path, version: str, res: int, square: Shapes, buckets: dict[str, int], partitions: int, seed: int
+) -> ResolutionInfo:
+    """A bucketed resolution: per partition one folder, per bucket a sub-folder; one index per bucket."""
+    rng = np.random.default_rng(seed + res)
+    stream_dir = staging / str(res)
+    parts = [f"part{part:05d}-{fingerprint([seed, res, part, 'b'])[:8]}" for part in range(partitions)]
+    counts, start = {}, 0
+    for name, rows in buckets.items():
+        height, width = (int(v) for v in name.split("x"))
+        shapes = square.for_bucket((height, width), res // square.latent[1])
+        bounds = np.linspace(start, start + rows, partitions + 1).astype(int)
+        for i, part in enumerate(parts):
+            _write_partition(str(stream_dir / part / name), shapes, range(bounds[i], bounds[i + 1]), rng)
+        index = json.dumps(_merged_index(stream_dir, [f"{part}/{name}" for part in parts]))
+        rel = Path("versions") / version / str(res) / name / "index.json"
+        (staging / rel).parent.mkdir(parents=True, exist_ok=True)
+        (staging / rel).write_text(index)
+        size = sum(f.stat().st_size for f in stream_dir.glob(f"*/{name}/*.mds"))
+        counts[name] = {"num_samples": rows, "bytes": size}
+        start += rows
+    total = sum(c["bytes"] for c in counts.values())
+    shapes = dataclasses.replace(square, bucketed=True)
+    return ResolutionInfo(start, shapes, total, 0, fingerprint([seed, res, buckets]), buckets=counts)
+
+
 def _publish(staging: Path, root: str) -> None:
     """Copy the staged files into `root` (local or s3), the manifest last like encode does."""
     files = sorted(p for p in staging.rglob("*") if p.is_file())
@@ -182,6 +218,20 @@ def tiny_dataset(tmp_path_factory: pytest.TempPathFactory) -> str:
     root = tmp_path_factory.mktemp("tiny-ds") / "data"
     with single_threaded_torch():
         write_fake_dataset(root)
+    return str(root)
+
+
+# Bucketed tiny data at 64 px (buckets of tiny's bucket_step 16): each bucket a multiple of the tests'
+# global batch of 8, so Streaming's per_stream batching drops nothing: 7 batches an epoch.
+TINY_BUCKETS = {"80x48": 16, "64x64": 24, "48x80": 16}
+
+
+@pytest.fixture(scope="session")
+def tiny_bucketed_dataset(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A read-only bucketed tiny dataset (TINY_BUCKETS rows at 64 px, 2 partitions)."""
+    root = tmp_path_factory.mktemp("tiny-ds-buckets") / "data"
+    with single_threaded_torch():
+        write_fake_dataset(root, buckets=TINY_BUCKETS, seed=11)
     return str(root)
 
 

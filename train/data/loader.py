@@ -25,7 +25,7 @@ import json
 import logging
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +37,7 @@ from shared.contract import (
     TRAIN_COLUMNS,
     ContractError,
     IndexSummary,
+    Shapes,
     check_index,
 )
 from shared.manifest import DatasetManifest, Layout, fingerprint, read_manifest
@@ -70,20 +71,32 @@ class PinnedData:
     remote: str  # Layout.stream_root(resolution)
     local: str  # cache folder holding this version's index.json (and downloaded shards)
     hashed: bool = False  # every shard records SHARD_HASH: verify each when first read
+    # A bucketed resolution (encode transform.buckets): "HxW" -> the cache folder holding that bucket's
+    # index, for each bucket with samples; read as one Streaming stream per bucket (train/data/buckets.py).
+    buckets: dict[str, str] = field(default_factory=dict)
+    bucket: str = ""  # eval only (train/eval/data.py): `local` holds this one bucket's index
 
     @property
     def num_samples(self) -> int:
+        if self.bucket:
+            info = self.manifest.resolutions[self.resolution]
+            return int((info.buckets or {})[self.bucket]["num_samples"])
         return self.manifest.num_samples(self.resolution)
 
     def record(self) -> dict[str, Any]:
-        """What a checkpoint remembers about the data it was trained on."""
-        return {
+        """What a checkpoint remembers about the data it was trained on (a bucketed resolution: also each
+        bucket's samples, which export writes into the pipeline folder's buckets.json)."""
+        out = {
             "uri": self.root,
             "version": self.version,
             "resolution": self.resolution,
             "fingerprint": self.manifest.dataset_fingerprint,
             "num_samples": self.num_samples,
         }
+        info = self.manifest.resolutions[self.resolution]
+        if self.buckets and info.buckets:
+            out["buckets"] = {name: info.buckets[name]["num_samples"] for name in self.buckets}
+        return out
 
 
 def default_cache_root() -> str:
@@ -117,19 +130,31 @@ def pin_version(cfg: DataConfig, manifest: DatasetManifest) -> PinnedData:
     local = cache_dir_for(cfg.cache_dir, root, vid, cfg.resolution)
     claim_local_dir(local)
     remote = layout.stream_root(cfg.resolution)
-    summary = place_index(layout.version_index(vid, cfg.resolution), local, manifest, cfg.resolution, remote)
-    if not summary.hashed:
+    info = manifest.resolutions[cfg.resolution]
+    buckets: dict[str, str] = {}
+    if info.buckets is not None:
+        hashed = True
+        for name, shapes in info.bucket_shapes(cfg.resolution).items():
+            if not info.buckets[name]["num_samples"]:
+                continue
+            buckets[name] = os.path.join(local, name)
+            claim_local_dir(buckets[name])
+            index = layout.bucket_index(vid, cfg.resolution, name)
+            count = info.buckets[name]["num_samples"]
+            hashed = place_index(index, buckets[name], shapes, count, remote).hashed and hashed
+    else:
+        index = layout.version_index(vid, cfg.resolution)
+        hashed = place_index(index, local, info.shapes, info.num_samples, remote).hashed
+    if not hashed:
         log.warning(
             "%s: not every shard records a %s hash (written before encode hashed shards); shard contents "
             "are not verified on read. Re-encode into a fresh output.uri to add them",
             remote, SHARD_HASH,
         )  # fmt: skip
-    return PinnedData(root, vid, cfg.resolution, manifest, remote, local, summary.hashed)
+    return PinnedData(root, vid, cfg.resolution, manifest, remote, local, hashed, buckets)
 
 
-def place_index(
-    index_uri: str, local: str, manifest: DatasetManifest, resolution: int, remote: str
-) -> IndexSummary:
+def place_index(index_uri: str, local: str, shapes: Shapes, num_samples: int, remote: str) -> IndexSummary:
     """Check a version's index against the manifest (and local shard files against it), then copy it into
     the cache folder, replacing whatever index was there."""
     try:
@@ -143,8 +168,7 @@ def place_index(
         index = json.loads(data)
     except ValueError as err:
         raise ContractError(f"{index_uri} is not valid JSON ({err}); re-run `make encode`") from None
-    info = manifest.resolutions[resolution]
-    summary = check_index(index, info.shapes, info.num_samples, index_uri)
+    summary = check_index(index, shapes, num_samples, index_uri)
     if not storage.is_s3(remote):
         check_shard_files(index, remote)
     storage.write_bytes(os.path.join(local, "index.json"), data)
@@ -260,12 +284,14 @@ def build_dataset(
     per_rank_batch: int,
     seed: int,
     streams: list[Any] | None = None,
+    batching_method: str | None = None,
 ) -> Any:
     """The StreamingDataset over the pinned version (remote shards, private local cache); rows carry their
     stored training columns, their sample seed and their stream. `streams`: Streaming `Stream`s of a
-    data.streams mix (train/data/mix.py), read instead of `pinned`."""
+    data.streams mix (train/data/mix.py) or of a bucketed dataset's buckets (train/data/buckets.py), read
+    instead of `pinned`, batched by `batching_method` (None: data.batching_method)."""
     with streaming_prefix_lock():
-        return _new_dataset(cfg, pinned, per_rank_batch, seed, streams)
+        return _new_dataset(cfg, pinned, per_rank_batch, seed, streams, batching_method)
 
 
 def _new_dataset(
@@ -274,11 +300,12 @@ def _new_dataset(
     per_rank_batch: int,
     seed: int,
     streams: list[Any] | None,
+    batching_method: str | None = None,
 ) -> Any:
     cls = _streaming_dataset_class()
     where: dict[str, Any] = {"remote": pinned.remote, "local": pinned.local}
     if streams:
-        where = {"streams": streams, "batching_method": cfg.batching_method}
+        where = {"streams": streams, "batching_method": batching_method or cfg.batching_method}
     return cls(
         seed=seed,
         **where,
@@ -302,11 +329,12 @@ def build_dataloader(
     per_rank_batch: int,
     seed: int,
     streams: list[Any] | None = None,
+    batching_method: str | None = None,
 ) -> Any:
     """A StreamingDataLoader (Composer checkpoints its dataset's position, so resumes are mid-epoch exact)
     whose batches are packed into one buffer each (train/data/packing.py; `packing.unpack` gives the
     columns). It counts the samples it hands out per stream (`stream_taken`)."""
-    dataset = build_dataset(cfg, pinned, per_rank_batch, seed, streams)
+    dataset = build_dataset(cfg, pinned, per_rank_batch, seed, streams, batching_method)
     check_one_batch_per_epoch(len(dataset), per_rank_batch, cfg)
     extra: dict[str, Any] = {}
     if cfg.num_workers > 0:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -197,4 +198,18 @@ def plan_lines(cfg: DataConfig, seed: int) -> list[str]:
             + (f", {weight[0]} {weight[1]}" if weight else "")
             + f"), {count * per_sample / _MB:.1f} MB read per epoch"
         )
+        if info.buckets:
+            lines.append(bucket_line(info.buckets, cfg.resolution))
     return lines
+
+
+def bucket_line(buckets: dict[str, dict[str, int]], resolution: int) -> str:
+    """A bucketed dataset's mix for the dry run: each bucket's share and what a step costs against squares
+    (U-Net FLOPs scale with pixels: a bucket of H x W px costs H*W / resolution^2 of a square's step)."""
+    counts = {name: b["num_samples"] for name, b in buckets.items()}
+    total = sum(counts.values()) or 1
+    pixels = sum(n * math.prod(int(v) for v in name.split("x")) for name, n in counts.items())
+    shares = ", ".join(f"{name} {n} ({100 * n / total:.1f}%)" for name, n in counts.items())
+    factor = pixels / (total * resolution * resolution)
+    cost = f"compute x{factor:.3f} of square {resolution} px steps (FLOPs scale with pixels)"
+    return f"    buckets: {shares}; {cost}"

@@ -73,9 +73,14 @@ def checkpoint_step(state: dict[str, Any]) -> int:
 
 
 def evaluate_checkpoint(
-    checkpoint: str, weights: str = "ema", overrides: list[str] | None = None, cache_dir: str = ""
+    checkpoint: str,
+    weights: str = "ema",
+    overrides: list[str] | None = None,
+    cache_dir: str = "",
+    size: str = "",
 ) -> CheckpointEval:
-    """The held-out loss of a checkpoint (file, sharded folder or save folder -> its latest)."""
+    """The held-out loss of a checkpoint (file, sharded folder or save folder -> its latest); `size`: the
+    bucket ("HxW" px) of a bucketed eval dataset (default its square)."""
     if weights not in ("ema", "training"):
         raise ExportError(f"--weights must be ema or training, got {weights!r}")
     source = resolve_checkpoint(checkpoint)
@@ -88,7 +93,7 @@ def evaluate_checkpoint(
     step = checkpoint_step(state)
     del state
     model_cfg = build_dataclass(ModelConfig, record["model"])
-    pinned = pin_eval_data(cfg, record["preset"], record["dataset"]["resolution"], cache_dir)
+    pinned = pin_eval_data(cfg, record["preset"], record["dataset"]["resolution"], cache_dir, size)
     empty = torch.zeros(get_preset(record["preset"]).text_shape())  # never used: eval drops no caption
     online = online_text_for(pinned.manifest, model_cfg.text_encoder)
     objective = Objective(model_cfg, float(record["scale_factor"]), empty, online)

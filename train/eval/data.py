@@ -45,31 +45,57 @@ class EvalRows:
     padding: bool = False
 
 
-def pin_eval_data(cfg: EvalConfig, preset: str, resolution: int, cache_dir: str) -> PinnedData:
-    """The eval dataset's version, its contract checked against the model's preset and resolution."""
+def pin_eval_data(
+    cfg: EvalConfig, preset: str, resolution: int, cache_dir: str, size: str = ""
+) -> PinnedData:
+    """The eval dataset's version, its contract checked against the model's preset and resolution.
+
+    `size` ("HxW" px): the bucket of a bucketed eval dataset to evaluate on; "": its square bucket.
+    """
     root = os.path.join(cache_dir or default_cache_root(), EVAL_CACHE)
     data_cfg = DataConfig(uri=cfg.uri, resolution=resolution, version=cfg.version, cache_dir=root)
     manifest = read_dataset_manifest(data_cfg)
     p = get_preset(preset)
     check_compatible(manifest, Expectation(resolution, p.latent_shape(resolution), p.text_shape()))
-    pinned = place_version_index(data_cfg, manifest)
+    pinned = place_version_index(data_cfg, manifest, size)
     if pinned.num_samples < cfg.num_samples:
+        where = f"{pinned.bucket} px (bucket of {resolution} px)" if pinned.bucket else f"{resolution} px"
         raise DataError(
             f"eval.num_samples={cfg.num_samples} but the eval dataset {cfg.uri} has {pinned.num_samples} "
-            f"samples at {resolution} px; lower eval.num_samples or encode more held-out data"
+            f"samples at {where}; lower eval.num_samples or encode more held-out data"
         )
     return pinned
 
 
-def place_version_index(cfg: DataConfig, manifest: DatasetManifest) -> PinnedData:
+def place_version_index(cfg: DataConfig, manifest: DatasetManifest, size: str = "") -> PinnedData:
     """train/data/loader.py's `pin_version` without claiming the cache folder: no StreamingDataset reads
-    it, so `train eval` may run beside a training run that evaluates the same dataset."""
+    it, so `train eval` may run beside a training run that evaluates the same dataset. A bucketed dataset
+    gives one bucket (`size`, default the square): the held-out loss compares fixed samples of one shape."""
     root, vid = cfg.uri.rstrip("/"), manifest.version
     local = cache_dir_for(cfg.cache_dir, root, vid, cfg.resolution)
     remote = Layout(root).stream_root(cfg.resolution)
-    summary = place_index(
-        Layout(root).version_index(vid, cfg.resolution), local, manifest, cfg.resolution, remote
-    )
+    info = manifest.resolutions[cfg.resolution]
+    square = f"{cfg.resolution}x{cfg.resolution}"
+    if info.buckets is not None:
+        bucket = size or square
+        if not (info.buckets.get(bucket) or {}).get("num_samples"):
+            have = ", ".join(n for n, b in info.buckets.items() if b["num_samples"])
+            raise DataError(
+                f"the eval dataset {cfg.uri} has no samples in bucket {bucket} at {cfg.resolution} px "
+                f"(it has: {have}); pass --size with one of those"
+            )
+        local = os.path.join(local, bucket)
+        index = Layout(root).bucket_index(vid, cfg.resolution, bucket)
+        shapes = info.bucket_shapes(cfg.resolution)[bucket]
+        summary = place_index(index, local, shapes, info.buckets[bucket]["num_samples"], remote)
+        return PinnedData(root, vid, cfg.resolution, manifest, remote, local, summary.hashed, bucket=bucket)
+    if size and size != square:
+        raise DataError(
+            f"--size {size}: the eval dataset {cfg.uri} is square-only at {cfg.resolution} px; encode it "
+            "with transform.buckets to evaluate other shapes"
+        )
+    index = Layout(root).version_index(vid, cfg.resolution)
+    summary = place_index(index, local, info.shapes, info.num_samples, remote)
     return PinnedData(root, vid, cfg.resolution, manifest, remote, local, summary.hashed)
 
 

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from shared import storage
+from shared.buckets import parse_bucket
 from shared.config import ConfigError
 from train.eval.report import guidance_name, score_and_report
 
@@ -45,6 +46,7 @@ class ImageEvalSpec:
     batch_size: int = 8
     num_reference: int = 0  # reference images used (0: all)
     cache_dir: str = ""  # reference feature cache; "": <tmp>/sd-pretrain-fid-<uid>
+    size: str = ""  # "HxW" px to generate at (a bucket trained on); "": the pipeline's own (square) size
 
     def __post_init__(self) -> None:
         if self.num_images < 2:
@@ -53,6 +55,20 @@ class ImageEvalSpec:
             raise ConfigError(f"--guidance must list scales >= 1 (e.g. 1.5,4,8), got {self.guidance}")
         if self.steps < 1 or self.batch_size < 1:
             raise ConfigError("--steps and --batch-size must be >= 1")
+        if self.size:
+            try:
+                height, width = parse_bucket(self.size)
+            except ValueError as err:
+                raise ConfigError(f"--size: {err}") from None
+            if height % 8 or width % 8 or not height or not width:
+                raise ConfigError(f"--size {self.size}: both sides must be positive multiples of 8 px")
+
+    def hw(self) -> dict[str, int]:
+        """The pipeline's height / width arguments ({} : its default size)."""
+        if not self.size:
+            return {}
+        height, width = parse_bucket(self.size)
+        return {"height": height, "width": width}
 
 
 def image_seed(seed: int, index: int) -> int:
@@ -105,6 +121,7 @@ def generate(pipe: Any, prompts: list[str], indices: list[int], spec: ImageEvalS
             num_inference_steps=spec.steps,
             generator=generators,
             output_type="pil",
+            **spec.hw(),
         ).images
         for i, image in zip(chunk, images, strict=True):
             image.save(folder / f"{i}.png")

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from shared.buckets import cover_box
 from shared.config import ConfigError
 
 log = logging.getLogger(__name__)
@@ -77,11 +78,16 @@ def _parquet_images(path: Path) -> Iterator[bytes]:
             yield value
 
 
-def decode_resized(data: bytes, size: int) -> torch.Tensor:
-    """uint8 [3, size, size]: RGB, short side resized to `size` (bicubic), centre crop."""
+def decode_resized(data: bytes, size: int | tuple[int, int]) -> torch.Tensor:
+    """uint8 [3, size, size]: RGB, short side resized to `size` (bicubic), centre crop. A (height, width)
+    size (eval-images --size, a bucket): resized to cover it, centre crop, as encode's buckets do."""
     from PIL import Image
 
     image = Image.open(io.BytesIO(data)).convert("RGB")
+    if isinstance(size, tuple):
+        box = cover_box(image.width, image.height, size) or (0, 0, image.width, image.height)
+        image = image.resize((size[1], size[0]), Image.BICUBIC, box=box)
+        return torch.from_numpy(np.asarray(image).copy()).permute(2, 0, 1)
     width, height = image.size
     scale = size / min(width, height)
     image = image.resize((max(size, round(width * scale)), max(size, round(height * scale))), Image.BICUBIC)
@@ -90,8 +96,9 @@ def decode_resized(data: bytes, size: int) -> torch.Tensor:
     return torch.from_numpy(np.asarray(image).copy()).permute(2, 0, 1)
 
 
-def content_key(images: list[bytes], weights_path: str, size: int) -> str:
-    digest = hashlib.sha256(f"reference-v1:{size}:".encode())
+def content_key(images: list[bytes], weights_path: str, size: int | tuple[int, int]) -> str:
+    name = f"{size[0]}x{size[1]}" if isinstance(size, tuple) else str(size)  # a square keeps its old key
+    digest = hashlib.sha256(f"reference-v1:{name}:".encode())
     digest.update(hashlib.sha256(Path(weights_path).read_bytes()).digest())
     for data in images:
         digest.update(hashlib.sha256(data).digest())
@@ -99,7 +106,7 @@ def content_key(images: list[bytes], weights_path: str, size: int) -> str:
 
 
 def reference_features(
-    source: str, limit: int, size: int, weights_path: str, extract, cache_dir: str
+    source: str, limit: int, size: int | tuple[int, int], weights_path: str, extract, cache_dir: str
 ) -> tuple[torch.Tensor, bool]:
     """([N, F] float64 Inception features of the reference, whether they came from the cache)."""
     images = reference_bytes(source, limit)

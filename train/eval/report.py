@@ -50,7 +50,9 @@ def write_json(path: Path, obj: Any) -> None:
 def score_and_report(spec: Any, prompts: list[str], device: str) -> dict[str, Any]:
     """Score the images an ImageEvalSpec (train/eval/images.py) wrote; write metrics.json and the plot."""
     net = inception(spec.inception_weights, device)
-    size = read_pngs(Path(spec.out) / "images" / guidance_name(spec.guidance[0]), 1)[0].height
+    first = read_pngs(Path(spec.out) / "images" / guidance_name(spec.guidance[0]), 1)[0]
+    # The generated size: square as before, or a bucket's (eval-images --size HxW)
+    size = first.height if first.height == first.width else (first.height, first.width)
     cache = spec.cache_dir or str(private_temp_dir("sd-pretrain-fid", "--cache-dir"))
     real, cached = reference_features(
         spec.reference, spec.num_reference, size, spec.inception_weights, lambda x: extract(net, x), cache

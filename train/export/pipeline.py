@@ -9,6 +9,7 @@ fingerprints differ (the U-Net would be paired with a VAE/text encoder it never 
 
 from __future__ import annotations
 
+import json
 import logging
 import tempfile
 from dataclasses import dataclass
@@ -130,17 +131,40 @@ def export_pipeline(
         feature_extractor=None,
         requires_safety_checker=False,
     )
-    save_pipeline(pipe, out)
+    save_pipeline(pipe, out, trained_buckets(record["dataset"]))
     log.info("exported %s weights of %s to %s", what, source, out)
     return ExportResult(out, source, what)
 
 
-def save_pipeline(pipe: Any, out: str) -> None:
-    """save_pretrained to a local folder, or stage it in a scratch folder (removed after) for s3://."""
+BUCKETS_FILE = "buckets.json"  # the aspect-ratio buckets the U-Net was trained on (bucketed data only)
+
+
+def trained_buckets(dataset: dict[str, Any]) -> dict[str, Any] | None:
+    """{"resolution": R, "buckets": {"HxW": samples}} from the run's dataset record (summed over a mix's
+    bucketed streams); None when it trained on squares only. Generate at these sizes (height=, width=)."""
+    found: dict[str, int] = {}
+    for record in [dataset, *dataset.get("streams", [])]:
+        for name, count in (record.get("buckets") or {}).items():
+            found[name] = found.get(name, 0) + int(count)
+    if not found:
+        return None
+    return {"resolution": dataset["resolution"], "buckets": found}
+
+
+def save_pipeline(pipe: Any, out: str, buckets: dict[str, Any] | None = None) -> None:
+    """save_pretrained to a local folder, or stage it in a scratch folder (removed after) for s3://; with
+    `buckets`, a buckets.json beside model_index.json."""
     if not storage.is_s3(out):
         pipe.save_pretrained(out, safe_serialization=True)
+        _write_buckets(out, buckets)
         return
     with tempfile.TemporaryDirectory(prefix="sd-export-") as scratch:
         target = str(Path(scratch) / "pipeline")
         pipe.save_pretrained(target, safe_serialization=True)
+        _write_buckets(target, buckets)
         storage.upload_dir(target, out)
+
+
+def _write_buckets(folder: str, buckets: dict[str, Any] | None) -> None:
+    if buckets is not None:
+        Path(folder, BUCKETS_FILE).write_text(json.dumps(buckets, indent=1) + "\n")

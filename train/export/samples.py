@@ -156,8 +156,12 @@ class SampleRenderer(Callback):
         latent_shape: tuple[int, int, int],
         scale_factor: float,
         out_dir: str,
+        bucket_shapes: dict[str, tuple[int, int, int]] | None = None,
     ):
+        """`bucket_shapes`: "HxW" -> latent shape of the non-square buckets to render too (bucketed data:
+        one landscape and one portrait, train/data/buckets.py `sample_buckets`), one grid file each."""
         self.cfg = cfg
+        self.bucket_shapes = dict(bucket_shapes or {})
         self.model_cfg = model_cfg
         self.encoder = encoder
         self.empty_caption = empty_caption.to(torch.float32)
@@ -199,19 +203,26 @@ class SampleRenderer(Callback):
         assert self.prompt_embeddings is not None
         self.prompt_embeddings = self.prompt_embeddings.to(device)  # a device copy, once
         self.vae = self.vae.to(device)
-        with use_ema_weights(state), get_precision_context(state.precision):
-            was_training = state.model.training
-            state.model.eval()
-            try:
-                latents = self._sample(state, device)
-            finally:
-                state.model.train(was_training)
-        images = decode_images(self.vae, latents.float(), self.scale_factor)
+        # The square grid keeps its name; each bucket's grid is named by its pixel shape (ba<step>-HxW.png).
+        shapes = {"": self.latent_shape, **{f"-{name}": s for name, s in self.bucket_shapes.items()}}
+        for suffix, shape in shapes.items():
+            with use_ema_weights(state), get_precision_context(state.precision):
+                was_training = state.model.training
+                state.model.eval()
+                try:
+                    latents = self._sample(state, device, shape)
+                finally:
+                    state.model.train(was_training)
+            self._write(state, decode_images(self.vae, latents.float(), self.scale_factor), suffix)
+
+    def _write(self, state: State, images: torch.Tensor, suffix: str) -> None:
         if dist.get_global_rank() == 0:
-            path = os.path.join(self.out_dir, f"ba{int(state.timestamp.batch):08d}.png")
+            path = os.path.join(self.out_dir, f"ba{int(state.timestamp.batch):08d}{suffix}.png")
             caption = (
                 f"step {int(state.timestamp.batch)}, guidance {self.cfg.guidance_scale:g}, {self.cfg.sampler}"
             )
+            if suffix:
+                caption += f", {suffix[1:]} px"
             save_grid(
                 images,
                 path,
@@ -221,7 +232,7 @@ class SampleRenderer(Callback):
             )
             log.info("wrote sample grid %s", path)
 
-    def _sample(self, state: State, device: torch.device) -> torch.Tensor:
+    def _sample(self, state: State, device: torch.device, shape: tuple[int, int, int]) -> torch.Tensor:
         assert self.prompt_embeddings is not None
 
         def denoise(x: torch.Tensor, t: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
@@ -234,7 +245,7 @@ class SampleRenderer(Callback):
             inference_scheduler(self.cfg.sampler, self.model_cfg),
             self.cfg.steps,
             self.cfg.guidance_scale,
-            self.latent_shape,
+            shape,
             torch.Generator().manual_seed(self.cfg.seed),
         )
 

@@ -33,7 +33,7 @@ _METRIC_NAMES = {
     "memory/peak_allocated_mem": "peak_mem_gb",
 }
 # Metrics kept under their own name in the line of the step they are logged with (train/data/stream_counts.py)
-_STEP_METRIC_PREFIXES = ("data/samples/",)
+_STEP_METRIC_PREFIXES = ("data/samples/", "data/buckets/")
 
 
 class MetricsJSONL(LoggerDestination):

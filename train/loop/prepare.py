@@ -82,7 +82,8 @@ def world_size() -> int:
 def expected_shapes(cfg: TrainConfig) -> Expectation:
     preset = get_preset(cfg.model.preset)
     res = cfg.data.resolution
-    return Expectation(res, preset.latent_shape(res), preset.text_shape(), cfg.model.scale_factor)
+    multiple = 2 ** (len(preset.unet["block_out_channels"]) - 1)  # the U-Net's 2x downsamplings
+    return Expectation(res, preset.latent_shape(res), preset.text_shape(), cfg.model.scale_factor, multiple)
 
 
 def check_data_contract(cfg: TrainConfig, manifest: DatasetManifest) -> None:

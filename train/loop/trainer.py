@@ -27,8 +27,9 @@ from train.checkpoints.files import (
 from train.checkpoints.layouts import conform_optimizer_state
 from train.checkpoints.sharded import composer_loads_safely, fsdp_checkpoint_options
 from train.config import TrainConfig
+from train.data.buckets import compile_per_bucket, run_streams, sample_buckets
 from train.data.loader import build_dataloader
-from train.data.mix import mix_record, streams_to_streaming
+from train.data.mix import mix_record
 from train.data.packing import packed_data_spec
 from train.loop.cpu_fsdp import composer_fsdp_on_cpu
 from train.loop.prepare import RunContext, prepare_run
@@ -55,6 +56,8 @@ def build_model(ctx: RunContext) -> DiffusionModel:
     model = assemble_model(ctx.cfg, ctx.device, ctx.manifest.scale_factor, empty, online)
     enable_cudnn_benchmark(ctx.device)  # fixed shapes (train/model/kernels.py)
     fit_recompile_limit(model.unet, ctx.cfg.fsdp, ctx.cfg.compile)
+    buckets = {b for p in [s.pinned for s in ctx.streams] or [ctx.pinned] for b in p.buckets}
+    compile_per_bucket(len(buckets), ctx.cfg.compile)  # one static graph per bucket (train/data/buckets.py)
     return model
 
 
@@ -149,6 +152,7 @@ def build_callbacks(ctx: RunContext, model: DiffusionModel, saves: Any = None) -
             preset.latent_shape(cfg.data.resolution),
             ctx.manifest.scale_factor,
             os.path.join(ctx.local_dir, SAMPLES_DIRNAME),
+            sample_buckets([s.pinned for s in ctx.streams] or [ctx.pinned]),
         )
         renderer.preload()  # text tower, tokenizer and VAE now, not at the first render (samples.py)
         callbacks.append(renderer)
@@ -173,14 +177,14 @@ def dataset_leases(ctx: RunContext) -> list[Any]:
     return [DatasetLease(s.pinned.root, s.pinned.version, ctx.run_name) for s in ctx.streams]
 
 
-def stream_callbacks(ctx: RunContext, dataloader: Any) -> list[Any]:
-    """Per-stream sample counts of a data.streams mix (train/data/stream_counts.py)."""
+def stream_callbacks(ctx: RunContext, dataloader: Any, labels: list[Any]) -> list[Any]:
+    """Sample counts per dataset of a data.streams mix and per bucket of bucketed data
+    (train/data/stream_counts.py); `labels`: one per Streaming stream (train/data/buckets.py)."""
     from train.data.stream_counts import StreamSampleCounts
 
-    if not ctx.streams:
+    if not labels:
         return []
-    names = [s.name for s in ctx.streams]
-    return [StreamSampleCounts(names, dataloader, ctx.cfg.log.console_interval, ctx.cfg.save_interval)]
+    return [StreamSampleCounts(labels, dataloader, ctx.cfg.log.console_interval, ctx.cfg.save_interval)]
 
 
 def save_folder_keep(cfg: TrainConfig) -> int:
@@ -275,8 +279,17 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
     from composer.utils import dist
 
     dist.initialize_dist(ctx.device)
-    streams = streams_to_streaming(ctx.streams, cfg.data.download_timeout) if ctx.streams else None
-    dataloader = build_dataloader(cfg.data, ctx.pinned, ctx.batching.per_rank_batch, cfg.seed, streams)
+    # A mix and/or a bucketed dataset: several Streaming streams (bucket-homogeneous batches: per_stream).
+    streams, labels, method = run_streams(
+        cfg.data.batching_method,
+        ctx.pinned,
+        ctx.streams,
+        ctx.batching.global_batch,
+        cfg.data.download_timeout,
+    )
+    dataloader = build_dataloader(
+        cfg.data, ctx.pinned, ctx.batching.per_rank_batch, cfg.seed, streams, method
+    )
     # Composer loads load_path inside Trainer(): safely (a checkpoint is data), in the format this run writes.
     checkpoint_format = cfg.resolved_checkpoint_format(ctx.batching.world_size)
     # First callback: decides at each step boundary whether to save / stop (train/resilience/monitor.py).
@@ -298,7 +311,7 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
             callbacks=[
                 monitor,
                 *build_callbacks(ctx, model, saves=monitor),
-                *stream_callbacks(ctx, dataloader),
+                *stream_callbacks(ctx, dataloader, labels),
             ],
             loggers=build_loggers(ctx),
             run_name=ctx.run_name,

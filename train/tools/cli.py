@@ -22,9 +22,16 @@ def demo_command(
         str | None, typer.Option("--max-duration", help="override jobs/train/tiny.yaml, e.g. 100ba")
     ] = None,
     fresh: Annotated[bool, typer.Option("--fresh", help="delete earlier demo outputs first")] = False,
+    dataset: Annotated[
+        str,
+        typer.Option(
+            "--dataset",
+            help="jobs/datasets config, e.g. sample-buckets (aspect-ratio buckets, into <out>-buckets)",
+        ),
+    ] = "sample",
 ) -> None:
     """Sample data -> encode -> train a tiny U-Net -> export + generate; prints where everything went."""
-    run_demo(out, max_duration, fresh)
+    run_demo(out, max_duration, fresh, dataset)
 
 
 def tiny_vae_command(

@@ -69,7 +69,7 @@ def build_data(paths: DemoPaths) -> Path:
     return target
 
 
-def encode_data(paths: DemoPaths, source: Path) -> None:
+def encode_data(paths: DemoPaths, source: Path, dataset: str = "sample") -> None:
     from encode.config import EncodeConfig
     from encode.pipeline import RankInfo, run_rank
     from encode.process.encoders import load_encoders
@@ -78,7 +78,7 @@ def encode_data(paths: DemoPaths, source: Path) -> None:
 
     start = time.perf_counter()
     cfg = load_config(
-        EncodeConfig, "sample", [f"source.uri={source}", f"output.uri={paths.encoded}"], kind="datasets"
+        EncodeConfig, dataset, [f"source.uri={source}", f"output.uri={paths.encoded}"], kind="datasets"
     )
     encoders = load_encoders(cfg)
     print_rank(run_rank(cfg, RankInfo(0, 1), encoders))
@@ -133,8 +133,14 @@ def plot_loss(paths: DemoPaths) -> None:
     plot_losses(paths.train / "metrics.jsonl", paths.loss, "tiny U-Net on the sample data")
 
 
-def run_demo(out: Path, max_duration: str | None = None, fresh: bool = False) -> DemoPaths:
-    """Every step of the demo into `out`; prints progress and where everything went."""
+def run_demo(
+    out: Path, max_duration: str | None = None, fresh: bool = False, dataset: str = "sample"
+) -> DemoPaths:
+    """Every step of the demo into `out`; prints progress and where everything went. `dataset`: the
+    jobs/datasets config to encode the sample data with; another than `sample` (e.g. sample-buckets) goes
+    into `<out>-<its suffix>` (outputs/demo-buckets), so it never resumes the square demo's run."""
+    if dataset != "sample":
+        out = Path(f"{out}-{dataset.removeprefix('sample-')}")
     paths = DemoPaths(Path(out))
     if fresh:
         shutil.rmtree(paths.root, ignore_errors=True)
@@ -142,8 +148,8 @@ def run_demo(out: Path, max_duration: str | None = None, fresh: bool = False) ->
     step = lambda name: print(f"\n== {name} ({time.perf_counter() - start:.0f} s)", flush=True)  # noqa: E731
     step("1/4 sample data")
     source = build_data(paths)
-    step("2/4 encode (tiny preset, 64 + 128 px)")
-    encode_data(paths, source)
+    step(f"2/4 encode ({dataset}: tiny preset, 64 + 128 px)")
+    encode_data(paths, source, dataset)
     step("3/4 train (tiny U-Net, 64 px latents)")
     train_model(paths, max_duration)
     step("4/4 export + generate with diffusers' StableDiffusionPipeline")
