@@ -35,6 +35,7 @@ from train.loop.prepare import RunContext, prepare_run
 from train.model.assemble import assemble_model, build_unet  # noqa: F401  (build_unet: re-exported for callers)
 from train.model.diffusion import DiffusionModel
 from train.model.kernels import enable_cudnn_benchmark, fit_recompile_limit
+from train.resilience.signals import restores_signal_handlers
 from train.model.online_text import online_text_for
 
 if TYPE_CHECKING:
@@ -328,6 +329,7 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
     return trainer
 
 
+@restores_signal_handlers  # the caller's SIGTERM / SIGINT / SIGUSR1 again when it returns or raises
 def fit(cfg: TrainConfig) -> Trainer:
     """Build and run the trainer; returns it (closed) so callers can inspect state."""
     trainer = build_trainer(cfg)
