@@ -35,8 +35,8 @@ from train.loop.prepare import RunContext, prepare_run
 from train.model.assemble import assemble_model, build_unet  # noqa: F401  (build_unet: re-exported for callers)
 from train.model.diffusion import DiffusionModel
 from train.model.kernels import enable_cudnn_benchmark, fit_recompile_limit
-from train.resilience.signals import restores_signal_handlers
 from train.model.online_text import online_text_for
+from train.resilience.signals import restores_signal_handlers
 
 if TYPE_CHECKING:
     from composer import Trainer

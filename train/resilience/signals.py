@@ -1,5 +1,5 @@
-"""A process that ran a training in-process (a test, a notebook, a sweep driver, `make test-gpu`) must still end
-on SIGTERM and stop on Ctrl-C afterwards.
+"""A process that ran a training in-process (a test, a notebook, a sweep driver, `make test-gpu`) must still
+end on SIGTERM and stop on Ctrl-C afterwards.
 
 Two things bind the signals during a run: `ResilienceMonitor.fit_start` (SIGTERM and SIGUSR1 only set a flag),
 and Composer itself, at import (`composer/core/engine.py` binds SIGTERM and SIGINT to `sys.exit(128 + sig)`:
