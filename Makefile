@@ -6,9 +6,11 @@ QUIET = 2>&1 | { grep -v 'is ignored: it is neither' || true; }; test $${PIPESTA
 # CUDA (a GPU image's), everything else from the lock; `.venv/.torch-system` remembers the choice for later targets.
 VENV ?= .venv
 TORCH ?= $(if $(wildcard $(VENV)/.torch-system),system,lock)
-PYTHON ?= $(if $(filter system,$(TORCH)),python3,python3.11)
+# The marker holds PYTHON and WHEELS of that install: a reinstall after a pull needs neither again.
+MARKED = $(if $(wildcard $(VENV)/.torch-system),$(shell sed -n $(1)p $(VENV)/.torch-system))
+PYTHON ?= $(or $(call MARKED,1),$(if $(filter system,$(TORCH)),python3,python3.11))
 # WHEELS=DIR: install from that folder alone (no index needed), as `make wheelhouse WHEELS=DIR` wrote it.
-WHEELS ?=
+WHEELS ?= $(call MARKED,2)
 PIP_FROM = $(if $(WHEELS),--no-index --find-links $(abspath $(WHEELS)))
 PIP := $(VENV)/bin/pip install --quiet --disable-pip-version-check
 BIN := $(VENV)/bin
@@ -52,7 +54,7 @@ ifeq ($(TORCH),system)
 	@$(PYTHON) -m shared.stack requirements --keep-torch-requirements --out $(VENV)/requirements-system.txt
 	$(PIP) --no-deps $(PIP_FROM) -r $(VENV)/requirements-system.txt $(QUIET)
 	@$(BIN)/python -m shared.stack check $(if $(ALLOW_UNTESTED),--allow-untested)
-	@echo "$(PYTHON)" > $(VENV)/.torch-system
+	@printf '%s\n%s\n' "$(PYTHON)" "$(abspath $(WHEELS))" > $(VENV)/.torch-system
 else
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	@echo "installing the pinned stack into $(VENV) (first run: ~5 min, ~6.5 GB)"
@@ -65,7 +67,7 @@ torch-mode:  # refuse to switch an existing .venv between the lock's torch and P
 	@if [ "$(TORCH)" = system ] && [ -x $(BIN)/python ] && [ ! -f $(VENV)/.torch-system ]; then \
 	  echo "$(VENV) holds the lock's torch; for TORCH=system remove it first: rm -rf $(VENV)"; exit 1; fi
 	@if [ "$(TORCH)" != system ] && [ -f $(VENV)/.torch-system ]; then \
-	  echo "$(VENV) keeps $$(cat $(VENV)/.torch-system)'s torch; for the lock's remove it first: rm -rf $(VENV)"; exit 1; fi
+	  echo "$(VENV) keeps $$(head -1 $(VENV)/.torch-system)'s torch; for the lock's remove it first: rm -rf $(VENV)"; exit 1; fi
 
 install: $(STAMP)  ## create .venv: the pinned stack, or [TORCH=system PYTHON=..] on that python's torch; [WHEELS=DIR] offline
 
