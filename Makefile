@@ -22,7 +22,8 @@ NEXT_IMAGE ?= .venv-torch-next-image
 NEXT_VENV ?= .venv-torch-next
 # The training, resume, FSDP-consolidation and export tests CI reruns on TORCH_NEXT (docs/gpu-tests.md).
 TORCH_NEXT_TESTS ?= tests/train/loop/test_fit.py tests/train/checkpoints/test_resume.py \
-	tests/train/checkpoints/test_gpu_path.py tests/train/export/test_export.py tests/shared/test_stack.py
+	tests/train/checkpoints/test_gpu_path.py tests/train/checkpoints/test_sharded_checkpoints.py \
+	tests/train/export/test_export.py tests/shared/test_stack.py
 
 DATASET ?= sample
 CONFIG ?= tiny
