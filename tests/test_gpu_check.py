@@ -146,3 +146,11 @@ def test_the_gpu_list_collects_without_the_s3_dependencies(tmp_path: Path) -> No
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert f"{len(GPU_TESTS)} tests collected" in done.stdout
+
+
+def test_the_bench_overrides_fit_bench_full() -> None:
+    from train.bench.config import load_bench_config
+
+    cfg = load_bench_config("full", list(gpu_check.BENCH_ARGS))
+    assert cfg.step.resolutions == [256, 512] and cfg.encode.enabled and cfg.trainer.enabled
+    assert not (cfg.scale.s3 or cfg.scale.collectives)
