@@ -13,7 +13,6 @@ this is an argparse CLI (typer is not there yet), run as `python -m shared.stack
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import re
 import sys
 from pathlib import Path
@@ -41,21 +40,12 @@ def pin_name(line: str) -> str | None:
     return canonical(re.split(r"[=<>!~;\[ ]", line, maxsplit=1)[0]) if line else None
 
 
-def torch_requirements() -> set[str]:
-    """Names torch itself requires in this interpreter (sympy, networkx, ...): the image's versions stay."""
-    try:
-        requires = importlib.metadata.requires("torch") or []
-    except importlib.metadata.PackageNotFoundError:
-        return set()
-    return {canonical(re.split(r"[=<>!~;\[ (]", r, maxsplit=1)[0]) for r in requires if "extra ==" not in r}
-
-
-def lock_without_torch(lock_lines: list[str], keep: set[str] = frozenset()) -> list[str]:
-    """The lock's pins minus torch, torchvision, triton, nvidia-* and cuda-*, and minus `keep` (names)."""
+def lock_without_torch(lock_lines: list[str]) -> list[str]:
+    """The lock's pins minus torch, torchvision, triton, nvidia-* and cuda-*."""
     out = []
     for line in lock_lines:
         name = pin_name(line)
-        if name and not IMAGE_PACKAGES.match(name) and name not in keep:
+        if name and not IMAGE_PACKAGES.match(name):
             out.append(line.strip())
     return out
 
@@ -111,13 +101,13 @@ def check(allow_untested: bool) -> int:
     return 0 if allow_untested else 1
 
 
-def write_requirements(lock: Path, out: Path, keep_torch_requirements: bool) -> None:
-    """The lock without what the image keeps, as a requirements file for pip (`--no-deps`)."""
-    keep = torch_requirements() if keep_torch_requirements else set()
-    lines = lock_without_torch(lock.read_text().splitlines(), keep)
+def write_requirements(lock: Path, out: Path) -> None:
+    """The lock without what the image keeps, as a requirements file for pip (`--no-deps`). What torch
+    itself needs (sympy, networkx, jinja2, fsspec, filelock, typing-extensions) comes from the lock too:
+    the rest of the stack was tested with those pins, and they satisfy torch 2.11's requirements."""
+    lines = lock_without_torch(lock.read_text().splitlines())
     out.write_text("\n".join(lines) + "\n")
-    kept = f" (and torch's own requirements this interpreter has: {', '.join(sorted(keep))})" if keep else ""
-    print(f"{out}: {len(lines)} pins from {lock}, without torch, torchvision, triton, nvidia-*, cuda-*{kept}")
+    print(f"{out}: {len(lines)} pins from {lock}, without torch, torchvision, triton, nvidia-*, cuda-*")
 
 
 def site_dirs() -> list[str]:
@@ -134,14 +124,12 @@ def main(argv: list[str] | None = None) -> int:
     req = sub.add_parser("requirements", help="the lock without torch & co, for a wheelhouse or an install")
     req.add_argument("--lock", type=Path, default=Path("requirements.lock"))
     req.add_argument("--out", type=Path, required=True)
-    keep_help = "also leave out what this interpreter's torch requires (the image keeps its own)"
-    req.add_argument("--keep-torch-requirements", action="store_true", help=keep_help)
     sub.add_parser("site-dirs", help="this interpreter's site-packages, one a line")
     chk = sub.add_parser("check", help="torch, CUDA and Python inside the tested range?")
     chk.add_argument("--allow-untested", action="store_true")
     args = parser.parse_args(argv)
     if args.command == "requirements":
-        write_requirements(args.lock, args.out, args.keep_torch_requirements)
+        write_requirements(args.lock, args.out)
         return 0
     if args.command == "site-dirs":
         print("\n".join(site_dirs()))
