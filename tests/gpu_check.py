@@ -185,7 +185,7 @@ class Check:
         self.result["bench"] = {"outcome": "skipped", "reason": reason}
 
     def run_test(self, nodeid: str, limit_s: int, bench_s: float, pytest_args: list[str]) -> None:
-        limit = min(limit_s, self.left() - bench_s)
+        limit = min(limit_s, self.left() - bench_s - 2 * GRACE_S)  # a stop may take 2 graces past it
         if limit < 5:
             self.result["tests"][nodeid] = {"outcome": "not run", "seconds": 0.0,
                                             "reason": "the check's time budget was spent"}  # fmt: skip
@@ -208,7 +208,7 @@ class Check:
         print(f"[{self.elapsed()}] {entry['outcome']:>9} {seconds:6.1f} s  {nodeid}", flush=True)
 
     def run_bench(self, limit_s: float, extra: list[str]) -> None:
-        limit = min(limit_s, self.left())
+        limit = min(limit_s, self.left() - 2 * GRACE_S)
         bench_dir = self.out / "bench"
         cmd = [sys.executable, "-m", "train", "bench", "full", f"out_dir={bench_dir}", *BENCH_ARGS, *extra]
         code, seconds = run_bounded(cmd, limit, self.out / "logs" / "bench.log", self.env)
