@@ -1,8 +1,33 @@
 # Every target bootstraps .venv on first use; a second run installs nothing (the stamp is newer than its inputs).
-PYTHON ?= python3.11
-VENV := .venv
+SHELL := /bin/bash
+# pip's output without the lines a local find-links/index configuration adds for every package; pip's status kept.
+QUIET = 2>&1 | { grep -v 'is ignored: it is neither' || true; }; test $${PIPESTATUS[0]} = 0
+# TORCH=lock (default): the lock's torch 2.7.0 from PyPI. TORCH=system: keep PYTHON's own torch, torchvision and
+# CUDA (a GPU image's), everything else from the lock; `.venv/.torch-system` remembers the choice for later targets.
+VENV ?= .venv
+TORCH ?= $(if $(wildcard $(VENV)/.torch-system),system,lock)
+# The marker holds PYTHON and WHEELS of that install: a reinstall after a pull needs neither again.
+MARKED = $(if $(wildcard $(VENV)/.torch-system),$(shell sed -n $(1)p $(VENV)/.torch-system))
+PYTHON ?= $(or $(call MARKED,1),$(if $(filter system,$(TORCH)),python3,python3.11))
+# WHEELS=DIR: install from that folder alone (no index needed), as `make wheelhouse WHEELS=DIR` wrote it.
+WHEELS ?= $(call MARKED,2)
+PIP_FROM = $(if $(WHEELS),--no-index --find-links $(abspath $(WHEELS)))
+PIP := $(VENV)/bin/pip install --quiet --disable-pip-version-check
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
+# The newest torch Composer 0.32.1 still runs with, which CI tests too (shared/stack.py TESTED_TORCH).
+TORCH_NEXT ?= torch==2.11.0 torchvision==0.26.0
+# test-torch-next's stand-in for a GPU image (a Python holding TORCH_NEXT) and the venv made on top of it.
+NEXT_IMAGE ?= .venv-torch-next-image
+NEXT_VENV ?= .venv-torch-next
+# The training, resume, FSDP-consolidation and export tests CI reruns on TORCH_NEXT (docs/gpu-tests.md).
+# From test_sharded_checkpoints.py only the torch-behaviour canary and the refusals (DCP differs there).
+SHARDED_TESTS = tests/train/checkpoints/test_sharded_checkpoints.py
+TORCH_NEXT_TESTS ?= tests/train/loop/test_fit.py tests/train/checkpoints/test_resume.py \
+	tests/train/checkpoints/test_gpu_path.py tests/train/export/test_export.py tests/shared/test_stack.py \
+	$(SHARDED_TESTS)::test_torch_misloads_adamw_state_of_channels_last_weights_under_fsdp \
+	$(SHARDED_TESTS)::test_a_planted_metadata_pickle_is_refused_before_it_runs \
+	$(SHARDED_TESTS)::test_metadata_naming_a_shard_file_outside_the_folder_is_refused
 
 DATASET ?= sample
 CONFIG ?= tiny
@@ -20,19 +45,49 @@ LAUNCH_FLAGS = --gpus $(or $(GPUS),1) --launcher $(LAUNCHER) $(if $(NODES),--nod
 	$(if $(EFA),--efa) $(if $(DRY_RUN),--dry-run) $(LAUNCH_ARGS)
 
 .DEFAULT_GOAL := help
-.PHONY: help install demo test test-quick test-gpu lint format encode encode-gc train export bench estimate tiny-vae lock clean
+.PHONY: help install wheelhouse torch-mode test-torch-next demo test test-quick test-gpu lint format encode encode-gc train export bench estimate tiny-vae lock clean
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | column -t -s '	'
 
-$(STAMP): pyproject.toml requirements.lock
+$(STAMP): pyproject.toml requirements.lock | torch-mode
+ifeq ($(TORCH),system)
+	@$(PYTHON) -m shared.stack check $(if $(ALLOW_UNTESTED),--allow-untested)
+	@test -x $(BIN)/python || $(PYTHON) -m venv --system-site-packages $(VENV)
+	@# PYTHON may itself be a venv's interpreter, whose packages a venv made from it does not see: name them.
+	@($(PYTHON) -m shared.stack site-dirs && pwd) > "$$($(BIN)/python -m shared.stack site-dirs | head -1)/sd-pretrain-image.pth"
+	@$(PYTHON) -m shared.stack requirements --out $(VENV)/requirements-system.txt
+	$(PIP) --no-deps $(PIP_FROM) -r $(VENV)/requirements-system.txt $(QUIET)
+	@$(BIN)/python -m shared.stack check $(if $(ALLOW_UNTESTED),--allow-untested)
+	@printf '%s\n%s\n' "$(PYTHON)" "$(abspath $(WHEELS))" > $(VENV)/.torch-system
+else
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	@echo "installing the pinned stack into $(VENV) (first run: ~5 min, ~6.5 GB)"
-	$(BIN)/pip install --quiet --disable-pip-version-check -c requirements.lock -e '.[dev]' 2>&1 | grep -v 'is ignored: it is neither' || true
+	$(PIP) $(PIP_FROM) -c requirements.lock -e '.[dev]' 2>&1 | grep -v 'is ignored: it is neither' || true
+endif
 	@$(BIN)/python -c 'import encode, train, shared, streaming, composer, diffusers' || (echo "install failed; see the pip output above" && exit 1)
 	@touch $(STAMP)
 
-install: $(STAMP)  ## create .venv with the pinned stack
+torch-mode:  # refuse to switch an existing .venv between the lock's torch and PYTHON's own
+	@if [ "$(TORCH)" = system ] && [ -x $(BIN)/python ] && [ ! -f $(VENV)/.torch-system ]; then \
+	  echo "$(VENV) holds the lock's torch; for TORCH=system remove it first: rm -rf $(VENV)"; exit 1; fi
+	@if [ "$(TORCH)" != system ] && [ -f $(VENV)/.torch-system ]; then \
+	  echo "$(VENV) keeps $$(head -1 $(VENV)/.torch-system)'s torch; for the lock's remove it first: rm -rf $(VENV)"; exit 1; fi
+
+install: $(STAMP)  ## create .venv: the pinned stack, or [TORCH=system PYTHON=..] on that python's torch; [WHEELS=DIR] offline
+
+wheelhouse:  ## make wheelhouse WHEELS=DIR [PYTHON=python3.12 | WHEEL_PYTHON=3.12 WHEEL_PLATFORM=manylinux_2_28_x86_64]
+	@test -n "$(WHEELS)" || (echo "usage: make wheelhouse WHEELS=DIR [PYTHON=<the GPU machine's python version here>]" && exit 1)
+	@mkdir -p $(WHEELS)
+	@python3 -m shared.stack requirements --out $(WHEELS)/requirements.txt
+ifdef WHEEL_PYTHON
+	python3 -m pip download --quiet --disable-pip-version-check --no-deps --only-binary=:all: -d $(WHEELS) \
+	  --python-version $(WHEEL_PYTHON) --implementation cp $(addprefix --platform ,$(or $(WHEEL_PLATFORM),manylinux_2_28_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux1_x86_64 linux_x86_64 any)) \
+	  -r $(WHEELS)/requirements.txt $(QUIET)
+else
+	$(PYTHON) -m pip wheel --quiet --disable-pip-version-check --no-deps -w $(WHEELS) -r $(WHEELS)/requirements.txt $(QUIET)
+endif
+	@echo "$(WHEELS): $$(ls $(WHEELS)/*.whl | wc -l) wheels, $$(du -sh $(WHEELS) | cut -f1); copy it next to the project and run make install TORCH=system WHEELS=$(WHEELS)"
 
 demo: $(STAMP)  ## sample data -> encode -> train a tiny U-Net -> export; prints where everything went
 	$(BIN)/python -m train demo --out $(OUT)/demo $(ARGS)
@@ -43,8 +98,18 @@ test: $(STAMP)  ## the full suite, as CI runs it
 test-quick: $(STAMP)  ## everything but the slow tests
 	$(BIN)/python -m pytest -q -m 'not slow' $(PYTEST_ARGS)
 
-test-gpu: $(STAMP)  ## the GPU test list (docs/gpu-tests.md): 1-GPU bf16+compile+FSDP, 2-GPU torchrun -> 1-GPU resume, encode 512 px peak memory
-	GPU_TESTS_OUT=$(OUT)/gpu-tests $(BIN)/python -m pytest -q -m gpu -rs $(PYTEST_ARGS)
+# `make test-gpu` alone writes outputs/gpu-check; OUT given on the command line is that folder itself.
+GPU_OUT = $(if $(filter file,$(origin OUT)),$(OUT)/gpu-check,$(OUT))
+COMPILE_CACHE ?= outputs/compile-cache
+
+test-gpu: $(STAMP)  ## make test-gpu [OUT=folder]: the GPU list + a short bench in <= 8 min -> OUT/gpu-check.json (docs/gpu-tests.md)
+	$(BIN)/python -m tests.gpu_check --out $(GPU_OUT) --cache $(COMPILE_CACHE) $(if $(PYTEST_ARGS),--pytest-args '$(PYTEST_ARGS)') $(if $(ARGS),--bench-args '$(ARGS)')
+
+test-torch-next:  ## CI: the training, resume, FSDP and export tests on TORCH_NEXT over the lock's other pins
+	@test -x $(NEXT_IMAGE)/bin/python || python3.11 -m venv $(NEXT_IMAGE)
+	$(NEXT_IMAGE)/bin/pip install --quiet --disable-pip-version-check $(TORCH_NEXT) $(QUIET)
+	$(MAKE) --no-print-directory install TORCH=system PYTHON=$(abspath $(NEXT_IMAGE))/bin/python VENV=$(NEXT_VENV)
+	$(NEXT_VENV)/bin/python -m pytest -q $(TORCH_NEXT_TESTS) $(PYTEST_ARGS)
 
 lint: $(STAMP)  ## ruff lint + format check
 	$(BIN)/ruff check .

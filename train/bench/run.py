@@ -35,6 +35,7 @@ from train.bench.text_store import bench_text_store
 from train.bench.trainer_run import bench_trainer
 from train.config import TrainConfig
 from train.model.assemble import use_channels_last
+from train.resilience.signals import restores_signal_handlers
 
 PYTHON_SIDE_TARGET = 0.05  # issue 11: under 5% of a step outside the U-Net forward/backward and optimizer
 
@@ -153,6 +154,7 @@ def bench_encode_section(cfg: BenchConfig, setup: DeviceSetup, work: Path) -> di
     return bench_encode(cfg.encode, cfg.preset, setup, work / "encode", cfg.seed)
 
 
+@restores_signal_handlers  # Composer binds SIGTERM/SIGINT at import and in fit (train/resilience/signals.py)
 def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     """Every section in one process; returns the JSON-able result (see the module docstring)."""
     with _torch_threads(cfg.threads):

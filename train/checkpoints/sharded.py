@@ -191,8 +191,18 @@ def _source(reader: FileSystemReader) -> str:
     return str(reader.path)
 
 
+# Refusals of `.metadata` since the last `unwrapped_refusals` began. torch 2.11's DCP load swallows any
+# error of read_metadata (it falls back to rank-local metadata, then fails with "metadata is None"), so the
+# refusal is kept here to be raised in its place (torch 2.7's passes it through; CI runs both).
+_METADATA_REFUSALS: list[UnsafeCheckpointError] = []
+
+
 def safe_read_metadata(reader: FileSystemReader) -> dcp_metadata.Metadata:
-    metadata = read_metadata_safely(_source(reader))
+    try:
+        metadata = read_metadata_safely(_source(reader))
+    except UnsafeCheckpointError as err:
+        _METADATA_REFUSALS.append(err)
+        raise
     metadata.storage_meta.load_id = reader.load_id  # what FileSystemReader.read_metadata sets
     return metadata
 
@@ -233,13 +243,18 @@ def composer_reads_sharded_safely() -> Iterator[None]:
 def unwrapped_refusals() -> Iterator[None]:
     """DCP wraps whatever a read raises into a CheckpointException (a BaseException listing each rank's
     error); a refusal from this module is re-raised as itself, so the caller sees which file and why."""
+    _METADATA_REFUSALS.clear()
     try:
         yield
     except CheckpointException as err:
         for failure, _trace in err.failures.values():
             if isinstance(failure, UnsafeCheckpointError):
                 raise failure from err
+        if _METADATA_REFUSALS:  # swallowed by torch 2.11's DCP (see _METADATA_REFUSALS)
+            raise _METADATA_REFUSALS[-1] from err
         raise
+    finally:
+        _METADATA_REFUSALS.clear()
 
 
 def consolidate_sharded_checkpoint(folder: str | Path) -> dict[str, Any]:

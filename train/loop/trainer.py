@@ -37,6 +37,7 @@ from train.model.assemble import assemble_model, build_unet  # noqa: F401  (buil
 from train.model.diffusion import DiffusionModel
 from train.model.kernels import enable_cudnn_benchmark, fit_recompile_limit
 from train.model.online_text import online_text_for
+from train.resilience.signals import restores_signal_handlers
 
 if TYPE_CHECKING:
     from composer import Trainer
@@ -341,6 +342,7 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
     return trainer
 
 
+@restores_signal_handlers  # the caller's SIGTERM / SIGINT / SIGUSR1 again when it returns or raises
 def fit(cfg: TrainConfig) -> Trainer:
     """Build and run the trainer; returns it (closed) so callers can inspect state."""
     trainer = build_trainer(cfg)

@@ -33,6 +33,7 @@ from composer.utils.misc import create_interval_scheduler
 
 from shared.launch import control
 from train.resilience.exits import ResumableStop, record_exit
+from train.resilience.signals import restore
 
 log = logging.getLogger(__name__)
 
@@ -70,11 +71,14 @@ class ResilienceMonitor(Callback):
         self.flags = np.zeros(3, dtype=np.int32)
         self.flag_view = torch.from_numpy(self.flags)
         self.group: Any = None
+        self.saved_handlers: dict[signal.Signals, Any] = {}
 
     # ------------------------------------------------------------------------------------------ signals
     def fit_start(self, state: State, logger: Logger) -> None:
         # Replaces Composer's handler (sys.exit on SIGTERM, composer/core/engine.py): a signal only sets a
-        # flag, acted on at the step boundary by every rank at once.
+        # flag, acted on at the step boundary by every rank at once. Put back at close (fit returned or
+        # raised; Composer's trainer.close() calls it), so the process answers SIGTERM again (signals.py).
+        self.saved_handlers = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
         for sig in STOP_SIGNALS:
             signal.signal(sig, self._on_signal)
         self.last_save = time.monotonic()
@@ -82,6 +86,10 @@ class ResilienceMonitor(Callback):
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         self.signalled = signal.Signals(signum).name
+
+    def close(self, state: State, logger: Logger) -> None:
+        restore(self.saved_handlers)
+        self.saved_handlers = {}
 
     # ------------------------------------------------------------------------------------- the decision
     def batch_end(self, state: State, logger: Logger) -> None:

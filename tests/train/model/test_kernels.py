@@ -77,4 +77,6 @@ def test_compiled_unet_under_fsdp_makes_one_graph_per_unit_within_the_limit(one_
         model = compiled_tiny_under_fsdp(counted)  # the failed forward left FSDP mid-gather
         assert "recompile_limit" in fit_recompile_limit(model.unet.module, fsdp=True, compile=True)
         model(inputs)
-    assert counted.frame_count == max_graphs_under_fsdp(unet)
+    # 13 graphs on torch 2.7 (the bound itself), 11 on torch 2.11 (fewer graph breaks; docs/gpu-tests.md);
+    # what matters: every unit compiled (fail_on_recompile_limit_hit above) within the bound
+    assert 0 < counted.frame_count <= max_graphs_under_fsdp(unet)

@@ -1,0 +1,126 @@
+"""Issue 33: a process that ran a training in-process still ends on SIGTERM (and stops on Ctrl-C) afterwards.
+
+Before, SIGTERM and SIGUSR1 stayed bound to the finished run's `ResilienceMonitor._on_signal` and SIGINT to
+Composer's import-time `sys.exit` handler, so `timeout pytest ...` could not end a GPU test run.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.train.conftest import REPO_ROOT
+from train.resilience.monitor import STOP_SIGNALS, ResilienceMonitor
+from train.resilience.signals import RUN_SIGNALS, restored_signal_handlers, restores_signal_handlers
+
+END_WITHIN_S = 20
+
+
+def mine(signum: int, frame: object) -> None:  # a caller's own handler
+    pass
+
+
+def test_the_callers_handlers_are_back_after_the_block_returns_or_raises() -> None:
+    before = {sig: signal.getsignal(sig) for sig in RUN_SIGNALS}
+    try:
+        for sig in RUN_SIGNALS:
+            signal.signal(sig, mine)
+        with pytest.raises(RuntimeError), restored_signal_handlers():
+            for sig in RUN_SIGNALS:
+                signal.signal(sig, signal.SIG_IGN)
+            raise RuntimeError("a failed run")
+        assert all(signal.getsignal(sig) is mine for sig in RUN_SIGNALS)
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+
+
+def test_composers_import_time_handlers_give_way_to_pythons_defaults() -> None:
+    import composer.core.engine as engine  # binds SIGTERM and SIGINT to sys.exit at import
+
+    before = {sig: signal.getsignal(sig) for sig in RUN_SIGNALS}
+    try:
+        signal.signal(signal.SIGTERM, engine.sigterm_handler)
+        signal.signal(signal.SIGINT, engine.sigterm_handler)
+        restores_signal_handlers(lambda: None)()
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+
+
+def test_the_monitor_puts_back_what_it_replaced_when_the_trainer_closes() -> None:
+    before = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    try:
+        signal.signal(signal.SIGTERM, mine)
+        monitor = ResilienceMonitor("10ba", None, 60.0)
+        monitor.fit_start(None, None)  # type: ignore[arg-type]  (neither is read)
+        assert signal.getsignal(signal.SIGTERM) == monitor._on_signal
+        monitor.close(None, None)  # type: ignore[arg-type]
+        assert signal.getsignal(signal.SIGTERM) is mine
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+
+
+CHILD = """
+import signal, sys, time
+from tests.train.conftest import tiny_config
+from train.loop.trainer import fit
+fit(tiny_config({data!r}, {save!r}, {cache!r}, "max_duration=2ba", "samples.enabled=false"))
+print("fit returned", signal.getsignal(signal.SIGTERM), flush=True)
+time.sleep(300)
+"""
+
+
+@pytest.mark.slow
+def test_a_process_that_ran_fit_in_process_ends_on_sigterm(tiny_dataset: str, tmp_path: Path) -> None:
+    script = CHILD.format(data=tiny_dataset, save=str(tmp_path / "save"), cache=str(tmp_path / "cache"))
+    child = subprocess.Popen([sys.executable, "-c", textwrap.dedent(script)], cwd=REPO_ROOT,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    try:
+        lines = []
+        for line in child.stdout:  # type: ignore[union-attr]
+            lines.append(line)
+            if line.startswith("fit returned"):
+                break
+        assert lines and lines[-1].startswith("fit returned"), "".join(lines[-40:])
+        sent = time.monotonic()
+        child.send_signal(signal.SIGTERM)
+        assert child.wait(timeout=END_WITHIN_S) == -signal.SIGTERM  # the OS default: ended by the signal
+        assert time.monotonic() - sent < END_WITHIN_S
+    finally:
+        child.kill()
+        child.wait()
+
+
+class FailingTrainer:
+    """What fit() builds, binding SIGTERM as the monitor does and failing mid-run."""
+
+    def fit(self) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise RuntimeError("a rank failed")
+
+    def close(self) -> None:
+        pass
+
+
+def test_fit_gives_the_handlers_back_when_the_run_raises(monkeypatch: pytest.MonkeyPatch) -> None:
+    import train.loop.trainer as trainer
+
+    monkeypatch.setattr(trainer, "build_trainer", lambda cfg: FailingTrainer())
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        signal.signal(signal.SIGTERM, mine)
+        with pytest.raises(RuntimeError, match="a rank failed"):
+            trainer.fit(None)  # type: ignore[arg-type]
+        assert signal.getsignal(signal.SIGTERM) is mine
+    finally:
+        signal.signal(signal.SIGTERM, before)
