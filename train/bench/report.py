@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from train.bench.anatomy.report import anatomy_findings, vae_findings
+
 JSON_NAME = "bench.json"
 MARKDOWN_NAME = "bench.md"
 # Below these the findings call a part of the product out as not close to its limit.
@@ -149,7 +151,9 @@ def findings(result: dict[str, Any]) -> list[str]:
     if scale := result.get("scale"):
         notes += scale_findings(scale)
     if encode := result.get("encode"):
-        notes += encode_findings(encode)
+        notes += encode_findings(encode) + vae_findings(encode)
+    if anatomy := result.get("anatomy"):
+        notes += anatomy_findings(anatomy)
     notes += [
         f"{res} px: text.store=tokens (text tower in the step) takes {t['ratio']:.3f}x the step on stored "
         f"embeddings (ideal from FLOPs {t['flop_ideal_ratio']:.3f}x)"

@@ -13,11 +13,18 @@ Two switches shape it beyond the preset:
 - `compile`: `torch.compile` of the U-Net alone (`nn.Module.compile`, in place). The per-sample objective
   around it is a handful of element-wise ops, not worth tracing, and compiling in place keeps every
   parameter name as it was (no `_orig_mod.` segment), so checkpoints, EMA and export do not depend on it.
+  Under per-block FSDP dynamo breaks the graph at each FSDP unit, so each block is its own graph (with its
+  GroupNorms, SiLUs and casts fused inside) and the glue between them a few more (train/model/kernels.py).
+  `compile_cache_dir` names where inductor keeps what it compiled, so restarts and ranks reuse it.
+- `model.low_precision_norms`: GroupNorm / LayerNorm in the autocast dtype (shared/norms.py), swapped in
+  place before compiling; a no-op outside autocast.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -25,6 +32,7 @@ from diffusers.models.resnet import ResnetBlock2D
 from diffusers.models.transformers.transformer_2d import Transformer2DModel
 
 from shared.models import build_unet as build_preset_unet
+from shared.norms import use_low_precision_norms
 from shared.presets import get_preset
 from train.config import TrainConfig
 from train.model.diffusion import DiffusionModel, Objective
@@ -67,7 +75,27 @@ def build_unet(cfg: TrainConfig) -> UNet2DConditionModel:
     unet = build_preset_unet(get_preset(cfg.model.preset), cfg.model.init_from)
     if cfg.model.gradient_checkpointing:
         unet.enable_gradient_checkpointing()
+    if cfg.model.low_precision_norms:
+        swapped = use_low_precision_norms(unet)
+        log.info("model.low_precision_norms: %s run in the autocast dtype (shared/norms.py)", swapped)
     return unet.train()
+
+
+# Inductor reads its cache folder from the environment whenever it compiles; Triton's follows it here.
+INDUCTOR_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
+TRITON_CACHE_ENV = "TRITON_CACHE_DIR"
+
+
+def use_compile_cache(folder: str) -> str:
+    """Point inductor's (and Triton's) caches at `folder` for this process and the ranks it starts, before
+    the first compile; returns the folder in use ("" leaves inductor's default)."""
+    if not folder:
+        return os.environ.get(INDUCTOR_CACHE_ENV, "")
+    path = Path(folder).expanduser().resolve()
+    path.mkdir(parents=True, exist_ok=True)
+    os.environ[INDUCTOR_CACHE_ENV] = str(path)
+    os.environ.setdefault(TRITON_CACHE_ENV, str(path / "triton"))
+    return str(path)
 
 
 def assemble_model(
@@ -84,7 +112,8 @@ def assemble_model(
     if weights_channels_last(cfg, device):
         unet.to(memory_format=torch.channels_last)
     if cfg.compile:
-        unet.compile()
+        use_compile_cache(cfg.compile_cache_dir)
+        unet.compile(backend=cfg.compile_backend)
     # Composer 0.32 wraps each child of the ComposerModel as its own FSDP root and looks the wrap rule up
     # on that child (the U-Net), not on the ComposerModel.
     unet.fsdp_wrap_fn = is_fsdp_unit
