@@ -61,8 +61,9 @@ class TrainConfig:
     # amp_bf16); false: reduce every microbatch in fsdp_reduce_dtype (docs/gpu-tests.md, "Accumulation").
     fsdp_no_sync: bool = True
     # torch.compile the U-Net (only the U-Net, in place: parameter names stay the same;
-    # train/model/assemble.py).
-    compile: bool = False
+    # train/model/assemble.py). null: on for GPU runs, off on CPU (where inductor spends minutes compiling
+    # C++ for no gain; logged); true / false: as asked, CPU included.
+    compile: bool | None = False
     # Where inductor keeps its compiled kernels (TORCHINDUCTOR_CACHE_DIR, and Triton's under it), so a
     # restart, a resume or another rank of the same host or shared filesystem reuses them instead of
     # compiling again; "": inductor's default, a per-user folder under /tmp of each node.

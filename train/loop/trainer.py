@@ -33,6 +33,7 @@ from train.data.packing import packed_data_spec
 from train.loop.cpu_fsdp import composer_fsdp_on_cpu
 from train.loop.prepare import RunContext, prepare_run
 from train.model.assemble import assemble_model, build_unet  # noqa: F401  (build_unet: re-exported for callers)
+from train.model.compile_plan import use_compile
 from train.model.diffusion import DiffusionModel
 from train.model.kernels import enable_cudnn_benchmark, fit_recompile_limit
 from train.model.online_text import online_text_for
@@ -54,7 +55,7 @@ def build_model(ctx: RunContext) -> DiffusionModel:
     online = online_text_for(ctx.manifest, ctx.cfg.model.text_encoder)  # text.store=tokens only
     model = assemble_model(ctx.cfg, ctx.device, ctx.manifest.scale_factor, empty, online)
     enable_cudnn_benchmark(ctx.device)  # fixed shapes (train/model/kernels.py)
-    fit_recompile_limit(model.unet, ctx.cfg.fsdp, ctx.cfg.compile)
+    fit_recompile_limit(model.unet, ctx.cfg.fsdp, use_compile(ctx.cfg, ctx.device))
     return model
 
 

@@ -35,6 +35,7 @@ from shared.models import build_unet as build_preset_unet
 from shared.norms import use_low_precision_norms
 from shared.presets import get_preset
 from train.config import TrainConfig
+from train.model.compile_plan import use_compile
 from train.model.diffusion import DiffusionModel, Objective
 from train.model.online_text import OnlineText
 
@@ -111,7 +112,9 @@ def assemble_model(
     unet = build_unet(cfg)
     if weights_channels_last(cfg, device):
         unet.to(memory_format=torch.channels_last)
-    if cfg.compile:
+    if cfg.compile is None and device != "gpu":
+        log.info("compile off on CPU (compile: null); compile=true compiles here too")
+    if use_compile(cfg, device):
         use_compile_cache(cfg.compile_cache_dir)
         unet.compile(backend=cfg.compile_backend)
     # Composer 0.32 wraps each child of the ComposerModel as its own FSDP root and looks the wrap rule up

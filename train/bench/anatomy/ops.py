@@ -121,8 +121,9 @@ class DispatchTally:
         tensors = [t for t in torch.utils._pytree.tree_leaves((args, out)) if isinstance(t, torch.Tensor)]
         moved = sum(t.numel() * t.element_size() for t in tensors)
         self.bytes_by_family[family] += moved
+        # the primary output: attention kernels also return an fp32 logsumexp whatever their dtype
         outs = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
-        if self.autocast_on and family in FP32_WATCHED and any(t.dtype == torch.float32 for t in outs):
+        if self.autocast_on and family in FP32_WATCHED and outs and outs[0].dtype == torch.float32:
             self.fp32_bytes_by_family[family] += moved
 
     def to_json(self) -> dict[str, Any]:
@@ -149,31 +150,36 @@ class _Tally(TorchDispatchMode):
         return out
 
 
-# What CUDA autocast runs in fp32 that CPU autocast runs in bf16 (torch's autocast_mode.cpp fp32 lists):
-# the norms, which are what `model.low_precision_norms` changes.
+# Where CUDA autocast differs from CPU autocast (torch's autocast_mode.cpp lists) on ops the U-Net runs:
+# CUDA keeps the norms in fp32 (what `model.low_precision_norms` changes) and runs attention in bf16.
 CUDA_FP32_FUNCTIONS = {torch.nn.functional.group_norm, torch.nn.functional.layer_norm}
+CUDA_LOW_FUNCTIONS = {torch.nn.functional.scaled_dot_product_attention}
 
 
-class CudaNormPolicy(TorchFunctionMode):
-    """Under CPU autocast, run GroupNorm / LayerNorm in fp32 as CUDA autocast would; calls made with
-    autocast switched off (shared/norms.py's) run as they are."""
+def _cast_args(args: Any, dtype: torch.dtype) -> list[Any]:
+    return [a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
+
+
+class CudaAutocastPolicy(TorchFunctionMode):
+    """Under CPU autocast: GroupNorm / LayerNorm in fp32 and attention in bf16, as CUDA autocast runs them;
+    calls made with autocast switched off (shared/norms.py's) run as they are."""
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if func in CUDA_FP32_FUNCTIONS and torch.is_autocast_enabled("cpu"):
+        if torch.is_autocast_enabled("cpu") and func in CUDA_FP32_FUNCTIONS | CUDA_LOW_FUNCTIONS:
+            dtype = torch.float32 if func in CUDA_FP32_FUNCTIONS else torch.get_autocast_dtype("cpu")
             with torch.autocast("cpu", enabled=False):
-                up = [a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
-                return func(*up, **kwargs)
+                return func(*_cast_args(args, dtype), **kwargs)
         return func(*args, **kwargs)
 
 
 def cpu_autocast_like_cuda() -> AbstractContextManager[Any]:
-    """CPU bf16 autocast with CUDA's fp32 policy for the norms (CudaNormPolicy)."""
+    """CPU bf16 autocast with CUDA's policy for the norms and attention (CudaAutocastPolicy)."""
     import contextlib
 
     stack = contextlib.ExitStack()
     stack.enter_context(torch.autocast("cpu", dtype=torch.bfloat16))
-    stack.enter_context(CudaNormPolicy())
+    stack.enter_context(CudaAutocastPolicy())
     return stack
 
 

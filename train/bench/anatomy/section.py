@@ -18,6 +18,7 @@ from train.bench.anatomy.ops import FullStep, dispatch_tally, profile_steps
 from train.bench.config import BenchConfig
 from train.bench.step import FlopCounts, StepBench, mfu, synthetic_latent_batch, time_calls
 from train.config import TrainConfig
+from train.model.compile_plan import use_compile
 
 WARMUP_STEPS = 2  # a variant's untimed steps: compilation, optimizer state, cuDNN autotuning, allocator
 
@@ -92,10 +93,15 @@ def bench_anatomy(cfg: BenchConfig, recipe: TrainConfig, setup: DeviceSetup) -> 
 def proxies(step: FullStep, variant: TrainConfig, cpu_autocast_proxy: bool) -> dict[str, Any]:
     """A variant's dispatch counts (eager variants only: a dispatch mode under a compiled U-Net would
     count what dynamo traces, not what runs)."""
-    if variant.compile:
+    if use_compile(variant, step.setup.kind):
         return {}
     tally = dispatch_tally(step, cpu_autocast_proxy).to_json()
-    keys = ("aten_ops_computing", "bytes_moved", "fp32_bytes_under_autocast")
+    keys = (
+        "aten_ops_computing",
+        "bytes_moved",
+        "fp32_bytes_under_autocast",
+        "fp32_bytes_under_autocast_by_family",
+    )
     return {key: tally[key] for key in keys}
 
 
