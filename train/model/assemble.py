@@ -116,7 +116,11 @@ def assemble_model(
         log.info("compile off on CPU (compile: null); compile=true compiles here too")
     if use_compile(cfg, device):
         use_compile_cache(cfg.compile_cache_dir)
-        unet.compile(backend=cfg.compile_backend)
+        # Static shapes: a run feeds one shape, and under per-block FSDP each block class meets several
+        # channel counts; dynamo's automatic-dynamic recompile then makes C symbolic, and torch 2.7's
+        # GroupNorm backward decomposition fails on it (divmod of a SymInt; seen with aot_eager on 1 and 2
+        # gloo ranks, tests/train/checkpoints/test_gpu_path.py). One static graph per shape instead.
+        unet.compile(backend=cfg.compile_backend, dynamic=False)
     # Composer 0.32 wraps each child of the ComposerModel as its own FSDP root and looks the wrap rule up
     # on that child (the U-Net), not on the ComposerModel.
     unet.fsdp_wrap_fn = is_fsdp_unit

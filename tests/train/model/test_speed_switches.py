@@ -10,6 +10,9 @@ the graphs inductor would compile, run with ATen's kernels).
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -22,16 +25,20 @@ from train.bench.anatomy.ops import cpu_autocast_like_cuda
 from train.bench.step import synthetic_latent_batch, train_step
 from train.bench.syncs import count_readbacks
 from train.loop.trainer import build_optimizer
-from train.model.assemble import assemble_model
+from train.model.assemble import INDUCTOR_CACHE_ENV, TRITON_CACHE_ENV, assemble_model, use_compile_cache
+from train.model.compile_plan import compile_plan_line, use_compile
 from train.model.diffusion import SampleDraws, scheduler_kwargs
 
 # bf16 keeps 8 mantissa bits: a loss of ~1 computed through a bf16 U-Net differs from fp32 by ~1e-2
 BF16_LOSS_RTOL = 2e-2
 
 
+EPSILON = ("model.prediction_type=epsilon", "model.zero_terminal_snr=false")  # diffusers' SD2 recipe
+EPSILON_CONFIG = tiny_config("unused", "unused", "unused", *EPSILON)
+
+
 def model_and_batch(*switches: str) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
-    cfg = tiny_config("unused", "unused", "unused", "model.prediction_type=epsilon",
-                      "model.zero_terminal_snr=false", *switches)  # fmt: skip
+    cfg = tiny_config("unused", "unused", "unused", *EPSILON, *switches)
     torch.manual_seed(0)
     model = assemble_model(cfg, "cpu", 0.5, torch.zeros(get_preset("tiny").text_shape()))
     batch = synthetic_latent_batch(get_preset("tiny"), 64, 4, resolve_device_setup("cpu", "fp32", False), 3)
@@ -46,18 +53,11 @@ def diffusers_recipe_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]
     mean = batch[LATENT_MEAN]
     draws = SampleDraws.from_batch(batch, tuple(mean.shape[1:]), objective.num_timesteps)
     latents = objective.sample_latents(mean, batch[LATENT_LOGVAR], draws.latent_eps)
-    scheduler = DDPMScheduler(**scheduler_kwargs(model_config(model)))
+    scheduler = DDPMScheduler(**scheduler_kwargs(EPSILON_CONFIG.model))
     noisy = scheduler.add_noise(latents, draws.noise, draws.timesteps)
     text = objective.condition(batch, draws.coin)
     pred = model.unet(noisy, draws.timesteps, encoder_hidden_states=text).sample
     return F.mse_loss(pred.float(), draws.noise.float())
-
-
-def model_config(model: torch.nn.Module) -> object:
-    cfg = tiny_config(
-        "unused", "unused", "unused", "model.prediction_type=epsilon", "model.zero_terminal_snr=false"
-    )
-    return cfg.model
 
 
 def our_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -98,3 +98,23 @@ def test_compiled_step_with_the_switches_has_no_breaks_recompiles_or_readbacks(
     assert graphs >= 1 and torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs  # no recompiles
     assert not torch._dynamo.utils.counters["graph_break"]
     assert not torch._dynamo.utils.counters["recompiles"]
+
+
+def test_sd2_recipes_compile_on_gpu_only_and_the_plan_says_what_it_costs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from shared.config import load_config
+    from train.config import TrainConfig
+
+    cfg = load_config(TrainConfig, "sd2-base-256", [f"save_folder={tmp_path}"], kind="train")
+    assert cfg.compile is None and cfg.model.low_precision_norms and cfg.compile_cache_dir
+    assert use_compile(cfg, "gpu") and not use_compile(cfg, "cpu")
+    line = compile_plan_line(cfg)
+    assert "first step also compiles" in line and "per FSDP unit" in line and cfg.compile_cache_dir in line
+    tiny = tiny_config("unused", "unused", "unused")
+    assert not use_compile(tiny, "gpu") and compile_plan_line(tiny) == ""
+    monkeypatch.delenv(INDUCTOR_CACHE_ENV, raising=False)
+    monkeypatch.delenv(TRITON_CACHE_ENV, raising=False)
+    folder = use_compile_cache(str(tmp_path / "cache"))
+    assert os.environ[INDUCTOR_CACHE_ENV] == folder and Path(folder).is_dir()
+    assert os.environ[TRITON_CACHE_ENV] == str(Path(folder) / "triton")
