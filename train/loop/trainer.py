@@ -26,7 +26,7 @@ from train.checkpoints.files import (
 )
 from train.checkpoints.layouts import conform_optimizer_state
 from train.checkpoints.sharded import composer_loads_safely, fsdp_checkpoint_options
-from train.config import TrainConfig
+from train.config import TrainConfig, time_count
 from train.data.loader import build_dataloader
 from train.data.mix import mix_record, streams_to_streaming
 from train.data.packing import packed_data_spec
@@ -117,7 +117,7 @@ def build_algorithms(ctx: RunContext) -> list[Any]:
 def build_callbacks(ctx: RunContext, model: DiffusionModel, saves: Any = None) -> list[Any]:
     """`saves`: the CheckpointSaver's schedule (train/resilience/monitor.py), so the guard and the loss log
     run before every save, the extra ones on a signal or the wall clock too; None: save_interval."""
-    from composer.callbacks import LRMonitor, MemoryMonitor, RuntimeEstimator, SpeedMonitor
+    from composer.callbacks import LRMonitor, RuntimeEstimator, SpeedMonitor
 
     from train.checkpoints.record import RunRecord
     from train.checkpoints.retention import CheckpointRetention
@@ -139,7 +139,9 @@ def build_callbacks(ctx: RunContext, model: DiffusionModel, saves: Any = None) -
         RuntimeEstimator(),
     ]
     if ctx.device == "gpu":
-        callbacks.append(MemoryMonitor())
+        from train.loop.memory import IntervalMemoryMonitor
+
+        callbacks.append(IntervalMemoryMonitor(time_count(cfg.log.console_interval)))
     if cfg.samples.enabled:
         preset = get_preset(cfg.model.preset)
         renderer = SampleRenderer(
