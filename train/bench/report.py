@@ -16,6 +16,7 @@ NEAR_LIMIT = 0.8  # share of a bound (encode pipeline vs its slowest stage, offl
 HOST_WORK_SHARE = 0.05  # host-side work on a device's critical path (Objective.prepare, VAE input prep)
 OUTSIDE_SHARE = 0.10  # Composer's time outside the bare step
 LISTED_COMPONENTS = 3  # the costliest Composer algorithms / callbacks named in the findings
+ALWAYS_LISTED = ("GradNormClipping", "HandoffEMA")  # named even when not among the costliest
 
 
 def _pct(x: float, digits: int = 0) -> str:
@@ -68,8 +69,12 @@ def loader_findings(loader: dict[str, Any], step_rate: float) -> list[str]:
 
 
 def trainer_findings(trainer: dict[str, Any]) -> list[str]:
-    largest = sorted(trainer["components_s"].items(), key=lambda item: -item[1])[:LISTED_COMPONENTS]
-    parts = ", ".join(f"{name} {1000 * s:.1f} ms" for name, s in largest)
+    components = trainer["components_s"]
+    largest = sorted(components.items(), key=lambda item: -item[1])[:LISTED_COMPONENTS]
+    # issue 30 (5): clipping and the EMA are always named, each with its own time
+    always = [(name, components[name]) for name in ALWAYS_LISTED if name in components]
+    shown = largest + [item for item in always if item not in largest]
+    parts = ", ".join(f"{name} {1000 * s:.1f} ms" for name, s in shown)
     flag = " - above target" if trainer["outside_step_share"] > OUTSIDE_SHARE else ""
     return [
         f"Composer trainer: {_pct(trainer['python_side_share'], 1)} of each batch is outside its forward, "
