@@ -45,7 +45,7 @@ def compile_anatomy(
     use_compile_cache(cache_dir)
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    unet.compile(backend=backend)
+    unet.compile(backend=backend, dynamic=False)  # as the train job compiles it (train/model/assemble.py)
     start = time.perf_counter()
     run_step()
     sync()
