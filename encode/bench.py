@@ -48,6 +48,11 @@ class EncodeBenchConfig:
     batch_size: int = 32
     workers: int = 1  # decode/resize processes beside the models
     repeats: int = 1
+    # The VAE encoder alone at these resolutions (px; []: skipped), as built and with each speed switch
+    # (encode/vae_speed.py): images/s, MFU, error over the posterior std
+    vae_resolutions: list[int] = field(default_factory=list)
+    vae_batch_size: int = 8
+    vae_compile: bool = False  # also the compiled encoder (inductor: minutes of C++ compiling on CPU)
 
 
 # ----------------------------------------------------------------------------------------------- sources

@@ -128,6 +128,13 @@ class EncoderConfig:
     # fp16 by up to 0.0035 = 0.27-0.43 std, 0.1-0.14% of values by > 0.1 std, nothing overflowed.
     precision: Literal["fp32", "fp16", "bf16"] = "fp16"
     batch_size: int = 32
+    # The VAE's GroupNorms in the inference dtype instead of autocast's fp32 (shared/norms.py): half their
+    # bytes, no NHWC -> NCHW copy around each on CUDA. Acts only under autocast (GPU fp16 / bf16); CPU runs
+    # are unchanged. `make bench` reports the latents' error over the posterior std with it (encode section).
+    low_precision_norms: bool = False
+    # torch.compile the VAE encoder (inductor fuses GroupNorm + SiLU + casts); one compile per resolution,
+    # the first batch of each pays it. Pays on a GPU; on CPU it only costs compile time.
+    compile: bool = False
 
 
 @dataclass

@@ -49,6 +49,7 @@ LAYERS: dict[str, list[tuple[str, ...]]] = {
         ("pipeline",),
         ("report",),
         ("bench", "launch"),
+        ("vae_speed",),  # the VAE encoder alone with each speed switch, for train's make bench
         ("cli",),
         ("__main__",),
     ],

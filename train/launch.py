@@ -70,6 +70,7 @@ from shared.launch.supervisor import Supervision
 from train.config import TrainConfig, time_count
 from train.data.mix import plan_lines
 from train.eval.cost import plan_line as eval_plan_line
+from train.model.compile_plan import compile_plan_line
 from train.resilience.plan import RunShape, exit_lead_s, resilience_lines, total_steps
 
 DEFAULT_GPU_TYPE = "A100-40GB"  # the planner's reference GPU (jobs/estimate/sd2-base.yaml)
@@ -124,6 +125,8 @@ def plan_train(
     shape = run_shape(cfg, topology, write_gb_per_s)
     lead = exit_lead_s(cfg, shape.save_s)
     plan.cluster += resilience_lines(cfg, shape, lead)
+    if compile_line := compile_plan_line(cfg):  # issue 30: the first step's compile, where it is cached
+        plan.cluster.append(compile_line)
     eval_line = eval_plan_line(cfg, topology.world_size, plan.batching.per_rank_batch)
     if eval_line:
         plan.cluster.append(eval_line)

@@ -21,6 +21,7 @@ from encode.process.images import UINT8_MAX
 from shared import contract
 from shared.encoders import TOKENS, EncoderIdentity
 from shared.models import TextEncoder, build_text_encoder, build_vae, weights_fingerprint
+from shared.norms import use_low_precision_norms
 from shared.presets import Preset, get_preset
 from shared.runtime import autocast, pick_torch_device
 
@@ -136,5 +137,15 @@ def load_encoders(cfg: EncodeConfig) -> Encoders:
     vae.to(device)
     if device.type == "cuda":
         vae.to(memory_format=torch.channels_last)
+    speed_up_vae(vae, cfg.encoder.low_precision_norms, cfg.encoder.compile)
     text.to(device)
     return Encoders(preset, vae, text, device, cfg.encoder.precision, ids)
+
+
+def speed_up_vae(vae: Any, low_precision_norms: bool, compile: bool) -> None:
+    """encoder.low_precision_norms and encoder.compile, in place (after the weights are fingerprinted: the
+    swap keeps every parameter, and the manifest's VAE hash does not depend on either switch)."""
+    if low_precision_norms:
+        use_low_precision_norms(vae)
+    if compile:
+        vae.encoder.compile()

@@ -34,6 +34,7 @@ class GpuSpec:
     peak_bf16_tflops: float  # dense (no 2:4 sparsity), from NVIDIA's datasheet
     on_demand_per_gpu_hour: float  # USD, list price
     reserved_per_gpu_hour: float  # USD, reserved / committed capacity
+    memory_gb: float = 0.0  # device memory, GB (1e9 bytes), from the datasheet; sizes the batch per GPU
 
 
 # Peak bf16 dense TFLOP/s: NVIDIA A100 datasheet "BFLOAT16 Tensor Core 312 TFLOPS | 624 TFLOPS*" (* = with
@@ -49,10 +50,10 @@ class GpuSpec:
 # p4d rate times the p4de/p4d on-demand ratio (40.9657 / 32.7726 = 1.25). For comparison, MosaicML's
 # published SD2 estimates use $2 / A100-hour.
 GPU_TABLE: dict[str, GpuSpec] = {
-    "A100-40GB": GpuSpec("A100-40GB", 312.0, 4.10, 1.844),
-    "A100-80GB": GpuSpec("A100-80GB", 312.0, 5.12, 2.31),
-    "H100": GpuSpec("H100", 989.0, 12.29, 4.916),
-    "H200": GpuSpec("H200", 989.0, 13.38, 5.408),
+    "A100-40GB": GpuSpec("A100-40GB", 312.0, 4.10, 1.844, 40.0),
+    "A100-80GB": GpuSpec("A100-80GB", 312.0, 5.12, 2.31, 80.0),
+    "H100": GpuSpec("H100", 989.0, 12.29, 4.916, 80.0),
+    "H200": GpuSpec("H200", 989.0, 13.38, 5.408, 141.0),
 }
 
 

@@ -52,6 +52,31 @@ class TrainerBenchConfig:
 
 
 @dataclass
+class AnatomyBenchConfig:
+    """Where the step's time goes (train/bench/anatomy/): op families, dispatch counts, compile, memory."""
+
+    enabled: bool = True
+    resolution: int = 0  # px; 0: the first of step.resolutions
+    batch_size: int = 0  # 0: the step's batch size at that resolution
+    profile_steps: int = 2  # steps under the torch profiler (after one warm-up step)
+    # On CPU, count one step's ops under CPU bf16 autocast: it keeps the same ops in fp32 as CUDA autocast,
+    # so "fp32 work under autocast" (and what model.low_precision_norms removes) shows without a GPU.
+    cpu_autocast_proxy: bool = True
+    # torch.compile backend for the compile counts and timings: "" (skip), "aot_eager" (graphs, breaks and
+    # recompiles of forward + backward in seconds, no code generated) or "inductor" (what a run compiles;
+    # on CPU minutes of C++ compilation, so `full` only)
+    compile_backend: str = ""
+    compile_steps: int = 2  # compiled steps timed after the first
+    compile_cache_dir: str = ""  # inductor's cache for the compile timing; "": inductor's default
+    # Each speed switch's own gain: name -> train overrides applied on top of the recipe; the step (with
+    # clipping and EMA) is timed for each, one after the other, and against the recipe as is, at every
+    # step.resolutions entry (one model on the device at a time: SD2-base state is 17 GB).
+    variants: dict[str, list[str]] = field(default_factory=dict)
+    baseline: str = "recipe"  # what each variant's gain is over: "recipe" (as is) or a variant's name
+    variant_repeats: int = 3
+
+
+@dataclass
 class ScaleBenchConfig:
     """Counters that must not grow with the cluster (issue 11; train/bench/scale.py, scale_s3.py)."""
 
@@ -87,6 +112,7 @@ class BenchConfig:
     step: StepBenchConfig = field(default_factory=StepBenchConfig)
     loader: LoaderBenchConfig = field(default_factory=LoaderBenchConfig)
     trainer: TrainerBenchConfig = field(default_factory=TrainerBenchConfig)
+    anatomy: AnatomyBenchConfig = field(default_factory=AnatomyBenchConfig)
     encode: EncodeBenchConfig = field(default_factory=EncodeBenchConfig)
     scale: ScaleBenchConfig = field(default_factory=ScaleBenchConfig)
     out_dir: str = "outputs/bench"
@@ -121,6 +147,18 @@ class BenchConfig:
             )
         if scale.collectives and min(scale.ckpt_width, scale.ckpt_depth, scale.ckpt_repeats) < 1:
             raise ConfigError("scale.ckpt_width, scale.ckpt_depth and scale.ckpt_repeats must be >= 1")
+        anatomy = self.anatomy
+        if anatomy.compile_backend not in ("", "aot_eager", "inductor", "eager"):
+            raise ConfigError(
+                f'anatomy.compile_backend={anatomy.compile_backend!r}: use inductor, aot_eager, eager or ""'
+            )
+        if anatomy.baseline != "recipe" and anatomy.baseline not in anatomy.variants:
+            raise ConfigError(
+                f"anatomy.baseline={anatomy.baseline!r} is not in anatomy.variants "
+                f"{sorted(anatomy.variants)}; use recipe or one of them"
+            )
+        if anatomy.profile_steps < 1 or anatomy.compile_steps < 1 or anatomy.variant_repeats < 1:
+            raise ConfigError("anatomy.profile_steps, compile_steps and variant_repeats must be >= 1")
         if self.threads < 0:
             raise ConfigError(f"threads must be >= 0 (0: torch's default), got {self.threads}")
         if self.peak_tflops is not None and self.peak_tflops <= 0:
@@ -128,6 +166,12 @@ class BenchConfig:
 
     def data_resolution(self) -> int:
         return self.loader.resolution or self.step.resolutions[0]
+
+    def anatomy_resolution(self) -> int:
+        return self.anatomy.resolution or self.step.resolutions[0]
+
+    def anatomy_batch(self) -> int:
+        return self.anatomy.batch_size or self.step.batch_for(self.anatomy_resolution())
 
     def loader_batch(self) -> int:
         return self.loader.batch_size or self.step.batch_for(self.data_resolution())

@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from train.bench.anatomy.report import anatomy_findings, vae_findings
+
 JSON_NAME = "bench.json"
 MARKDOWN_NAME = "bench.md"
 # Below these the findings call a part of the product out as not close to its limit.
@@ -14,6 +16,7 @@ NEAR_LIMIT = 0.8  # share of a bound (encode pipeline vs its slowest stage, offl
 HOST_WORK_SHARE = 0.05  # host-side work on a device's critical path (Objective.prepare, VAE input prep)
 OUTSIDE_SHARE = 0.10  # Composer's time outside the bare step
 LISTED_COMPONENTS = 3  # the costliest Composer algorithms / callbacks named in the findings
+ALWAYS_LISTED = ("GradNormClipping", "HandoffEMA")  # named even when not among the costliest
 
 
 def _pct(x: float, digits: int = 0) -> str:
@@ -66,8 +69,12 @@ def loader_findings(loader: dict[str, Any], step_rate: float) -> list[str]:
 
 
 def trainer_findings(trainer: dict[str, Any]) -> list[str]:
-    largest = sorted(trainer["components_s"].items(), key=lambda item: -item[1])[:LISTED_COMPONENTS]
-    parts = ", ".join(f"{name} {1000 * s:.1f} ms" for name, s in largest)
+    components = trainer["components_s"]
+    largest = sorted(components.items(), key=lambda item: -item[1])[:LISTED_COMPONENTS]
+    # issue 30 (5): clipping and the EMA are always named, each with its own time
+    always = [(name, components[name]) for name in ALWAYS_LISTED if name in components]
+    shown = largest + [item for item in always if item not in largest]
+    parts = ", ".join(f"{name} {1000 * s:.1f} ms" for name, s in shown)
     flag = " - above target" if trainer["outside_step_share"] > OUTSIDE_SHARE else ""
     return [
         f"Composer trainer: {_pct(trainer['python_side_share'], 1)} of each batch is outside its forward, "
@@ -149,7 +156,9 @@ def findings(result: dict[str, Any]) -> list[str]:
     if scale := result.get("scale"):
         notes += scale_findings(scale)
     if encode := result.get("encode"):
-        notes += encode_findings(encode)
+        notes += encode_findings(encode) + vae_findings(encode)
+    if anatomy := result.get("anatomy"):
+        notes += anatomy_findings(anatomy)
     notes += [
         f"{res} px: text.store=tokens (text tower in the step) takes {t['ratio']:.3f}x the step on stored "
         f"embeddings (ideal from FLOPs {t['flop_ideal_ratio']:.3f}x)"

@@ -14,11 +14,13 @@ from typing import Any
 
 import torch
 
-from encode.bench import bench_encode
+from encode.bench import ENCODER_PRECISION, bench_encode, bench_encoders
+from encode.vae_speed import vae_speed
 from shared.config import ConfigError, config_to_dict, load_config
 from shared.estimate import GPU_TABLE, gpu_type_for_device
 from shared.presets import get_preset
 from shared.runtime import DeviceSetup, resolve_device_setup
+from train.bench.anatomy.section import bench_anatomy, bench_variants
 from train.bench.config import BenchConfig
 from train.bench.data import (
     bench_loader,
@@ -30,7 +32,7 @@ from train.bench.data import (
 from train.bench.report import findings
 from train.bench.scale import bench_collectives
 from train.bench.scale_s3 import S3_RUN_BATCH, bench_s3_requests
-from train.bench.step import bench_train_steps, count_flops
+from train.bench.step import bench_train_steps, count_flops, mfu
 from train.bench.text_store import bench_text_store
 from train.bench.trainer_run import bench_trainer
 from train.config import TrainConfig
@@ -40,8 +42,11 @@ from train.resilience.signals import restores_signal_handlers
 PYTHON_SIDE_TARGET = 0.05  # issue 11: under 5% of a step outside the U-Net forward/backward and optimizer
 
 
-def load_recipe(cfg: BenchConfig, setup: DeviceSetup, work: Path) -> TrainConfig:
-    """The train recipe at the bench's preset, device and precision (single device: no FSDP)."""
+def load_recipe(
+    cfg: BenchConfig, setup: DeviceSetup, work: Path, extra: list[str] | None = None
+) -> TrainConfig:
+    """The train recipe at the bench's preset, device and precision (single device: no FSDP), `extra`
+    overrides last (an anatomy variant's switches)."""
     overrides = [
         f"model.preset={cfg.preset}",
         f"data.resolution={cfg.data_resolution()}",
@@ -49,6 +54,7 @@ def load_recipe(cfg: BenchConfig, setup: DeviceSetup, work: Path) -> TrainConfig
         "fsdp=false",
         f"device={setup.kind}",
         f"precision={setup.precision}",
+        *(extra or []),
     ]
     return load_config(TrainConfig, cfg.recipe, overrides, kind="train")
 
@@ -123,6 +129,23 @@ def loader_vs_streaming(cfg: BenchConfig, root: Path, work: Path) -> dict[str, A
     }
 
 
+def anatomy_section(
+    cfg: BenchConfig,
+    recipe: TrainConfig,
+    setup: DeviceSetup,
+    work: Path,
+    flops: dict[int, Any],
+    peak: float | None,
+) -> dict[str, Any]:
+    """Where the step's time goes, and each anatomy.variants switch's own gain (train/bench/anatomy/)."""
+    out = bench_anatomy(cfg, recipe, setup)
+    if cfg.anatomy.variants:
+        with_overrides = lambda extra: load_recipe(cfg, setup, work, extra)  # noqa: E731
+        out["variants"] = bench_variants(cfg, recipe, setup, with_overrides, flops, peak)
+        out["baseline"] = cfg.anatomy.baseline
+    return out
+
+
 def scale_section(trainer: dict[str, Any]) -> dict[str, Any]:
     """Counters that must not grow with the cluster (issue 11), from the real Composer run: the share of
     each batch spent outside its U-Net forward/backward (with the objective's device work) and optimizer
@@ -150,8 +173,22 @@ def scale_counters(cfg: BenchConfig, work: Path) -> dict[str, Any]:
     return out
 
 
-def bench_encode_section(cfg: BenchConfig, setup: DeviceSetup, work: Path) -> dict[str, Any]:
-    return bench_encode(cfg.encode, cfg.preset, setup, work / "encode", cfg.seed)
+def bench_encode_section(
+    cfg: BenchConfig, setup: DeviceSetup, work: Path, flops: dict[int, Any], peak: float | None
+) -> dict[str, Any]:
+    out = bench_encode(cfg.encode, cfg.preset, setup, work / "encode", cfg.seed)
+    plan = cfg.encode
+    if plan.vae_resolutions:
+        vae = bench_encoders(cfg.preset, setup).vae
+        speed = vae_speed(
+            vae, plan.vae_resolutions, plan.vae_batch_size, plan.repeats + 1, ENCODER_PRECISION, setup,
+            plan.vae_compile,
+        )  # fmt: skip
+        for res, runs in speed.items():
+            for run in runs.values():
+                run["mfu"] = mfu(flops[int(res)].vae_encoder, run["images_per_s"], peak)
+        out["vae"] = speed
+    return out
 
 
 @restores_signal_handlers  # Composer binds SIGTERM/SIGINT at import and in fit (train/resilience/signals.py)
@@ -185,7 +222,8 @@ def _run_sections(cfg: BenchConfig) -> dict[str, Any]:
         # The layout is the recipe's train config switch, resolved as the train job resolves it.
         setup = dataclasses.replace(setup, channels_last=use_channels_last(recipe, setup.kind))
         with _timed_section(timings, "flops"):
-            flops = count_flops(cfg.preset, sorted({*cfg.step.resolutions, *cfg.step.text_store_at()}))
+            counted = {*cfg.step.resolutions, *cfg.step.text_store_at(), *cfg.encode.vae_resolutions}
+            flops = count_flops(cfg.preset, sorted(counted))
         with _timed_section(timings, "train"):
             train = bench_train_steps(recipe, setup, cfg.step, flops, peak, cfg.seed)
         result: dict[str, Any] = {
@@ -201,6 +239,9 @@ def _run_sections(cfg: BenchConfig) -> dict[str, Any]:
             "flops": {str(r): f.to_json() for r, f in flops.items()},
             "train": train,
         }
+        if cfg.anatomy.enabled:
+            with _timed_section(timings, "anatomy"):
+                result["anatomy"] = anatomy_section(cfg, recipe, setup, work, flops, peak)
         if cfg.step.text_store_at():
             with _timed_section(timings, "text_store"):
                 result["text_store"] = bench_text_store(recipe, setup, cfg.step, flops, cfg.seed)
@@ -209,7 +250,7 @@ def _run_sections(cfg: BenchConfig) -> dict[str, Any]:
                 result |= bench_data_sections(cfg, recipe, setup, work)
         if cfg.encode.enabled:
             with _timed_section(timings, "encode"):
-                result["encode"] = bench_encode_section(cfg, setup, work)
+                result["encode"] = bench_encode_section(cfg, setup, work, flops, peak)
         counters: dict[str, Any] = {}
         if cfg.scale.s3 or cfg.scale.collectives:
             with _timed_section(timings, "scale"):

@@ -61,8 +61,17 @@ class TrainConfig:
     # amp_bf16); false: reduce every microbatch in fsdp_reduce_dtype (docs/gpu-tests.md, "Accumulation").
     fsdp_no_sync: bool = True
     # torch.compile the U-Net (only the U-Net, in place: parameter names stay the same;
-    # train/model/assemble.py).
-    compile: bool = False
+    # train/model/assemble.py). null: on for GPU runs, off on CPU (where inductor spends minutes compiling
+    # C++ for no gain; logged); true / false: as asked, CPU included.
+    compile: bool | None = False
+    # Where inductor keeps its compiled kernels (TORCHINDUCTOR_CACHE_DIR, and Triton's under it), so a
+    # restart, a resume or another rank of the same host or shared filesystem reuses them instead of
+    # compiling again; "": inductor's default, a per-user folder under /tmp of each node.
+    compile_cache_dir: str = ""
+    # torch.compile backend: inductor (what a GPU run wants: generated, fused kernels), or aot_eager, which
+    # traces forward and backward into the same graphs and runs them with ATen's kernels: the CPU test suite
+    # runs the compiled path through it in seconds instead of minutes of C++ compilation.
+    compile_backend: Literal["inductor", "aot_eager"] = "inductor"
     # U-Net inputs (and, without FSDP, weights) in NHWC layout, which cuDNN convolutions run natively.
     # null: on for GPU runs, off on CPU (logged); true / false: as asked, CPU included (the tests run the GPU
     # layout on CPU ranks). Under FSDP the weights stay NCHW inside the flat parameters, because torch 2.7's

@@ -39,6 +39,10 @@ class ModelConfig:
     # VAE latent scale factor; None: the dataset manifest's (set only to assert a value).
     scale_factor: float | None = None
     gradient_checkpointing: bool = False
+    # GroupNorm and LayerNorm in the autocast dtype (bf16) instead of autocast's fp32 (shared/norms.py):
+    # half their bytes, and one dtype for inductor to fuse each norm with its SiLU. Only acts under autocast
+    # (GPU amp_bf16): an fp32 run, every CPU run, computes exactly what it did without it.
+    low_precision_norms: bool = False
     # text.store=tokens datasets: a diffusers folder / hub id with text_encoder/ + tokenizer/ to run in the
     # step (None: the folder the dataset manifest records). Its weights hash must match the manifest's.
     text_encoder: str | None = None

@@ -26,7 +26,7 @@ from train.checkpoints.files import (
 )
 from train.checkpoints.layouts import conform_optimizer_state
 from train.checkpoints.sharded import composer_loads_safely, fsdp_checkpoint_options
-from train.config import TrainConfig
+from train.config import TrainConfig, time_count
 from train.data.buckets import compile_per_bucket, run_streams, sample_buckets
 from train.data.loader import build_dataloader
 from train.data.mix import mix_record
@@ -34,6 +34,7 @@ from train.data.packing import packed_data_spec
 from train.loop.cpu_fsdp import composer_fsdp_on_cpu
 from train.loop.prepare import RunContext, prepare_run
 from train.model.assemble import assemble_model, build_unet  # noqa: F401  (build_unet: re-exported for callers)
+from train.model.compile_plan import use_compile
 from train.model.diffusion import DiffusionModel
 from train.model.kernels import enable_cudnn_benchmark, fit_recompile_limit
 from train.model.online_text import online_text_for
@@ -56,9 +57,10 @@ def build_model(ctx: RunContext) -> DiffusionModel:
     online = online_text_for(ctx.manifest, ctx.cfg.model.text_encoder)  # text.store=tokens only
     model = assemble_model(ctx.cfg, ctx.device, ctx.manifest.scale_factor, empty, online)
     enable_cudnn_benchmark(ctx.device)  # fixed shapes (train/model/kernels.py)
-    fit_recompile_limit(model.unet, ctx.cfg.fsdp, ctx.cfg.compile)
+    compiled = use_compile(ctx.cfg, ctx.device)
+    fit_recompile_limit(model.unet, ctx.cfg.fsdp, compiled)
     buckets = {b for p in [s.pinned for s in ctx.streams] or [ctx.pinned] for b in p.buckets}
-    compile_per_bucket(len(buckets), ctx.cfg.compile)  # one static graph per bucket (train/data/buckets.py)
+    compile_per_bucket(len(buckets), compiled)  # one static graph per bucket (train/data/buckets.py)
     return model
 
 
@@ -120,7 +122,7 @@ def build_algorithms(ctx: RunContext) -> list[Any]:
 def build_callbacks(ctx: RunContext, model: DiffusionModel, saves: Any = None) -> list[Any]:
     """`saves`: the CheckpointSaver's schedule (train/resilience/monitor.py), so the guard and the loss log
     run before every save, the extra ones on a signal or the wall clock too; None: save_interval."""
-    from composer.callbacks import LRMonitor, MemoryMonitor, RuntimeEstimator, SpeedMonitor
+    from composer.callbacks import LRMonitor, RuntimeEstimator, SpeedMonitor
 
     from train.checkpoints.record import RunRecord
     from train.checkpoints.retention import CheckpointRetention
@@ -142,7 +144,9 @@ def build_callbacks(ctx: RunContext, model: DiffusionModel, saves: Any = None) -
         RuntimeEstimator(),
     ]
     if ctx.device == "gpu":
-        callbacks.append(MemoryMonitor())
+        from train.loop.memory import IntervalMemoryMonitor
+
+        callbacks.append(IntervalMemoryMonitor(time_count(cfg.log.console_interval)))
     if cfg.samples.enabled:
         preset = get_preset(cfg.model.preset)
         renderer = SampleRenderer(

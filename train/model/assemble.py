@@ -13,11 +13,18 @@ Two switches shape it beyond the preset:
 - `compile`: `torch.compile` of the U-Net alone (`nn.Module.compile`, in place). The per-sample objective
   around it is a handful of element-wise ops, not worth tracing, and compiling in place keeps every
   parameter name as it was (no `_orig_mod.` segment), so checkpoints, EMA and export do not depend on it.
+  Under per-block FSDP dynamo breaks the graph at each FSDP unit, so each block is its own graph (with its
+  GroupNorms, SiLUs and casts fused inside) and the glue between them a few more (train/model/kernels.py).
+  `compile_cache_dir` names where inductor keeps what it compiled, so restarts and ranks reuse it.
+- `model.low_precision_norms`: GroupNorm / LayerNorm in the autocast dtype (shared/norms.py), swapped in
+  place before compiling; a no-op outside autocast.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -25,8 +32,10 @@ from diffusers.models.resnet import ResnetBlock2D
 from diffusers.models.transformers.transformer_2d import Transformer2DModel
 
 from shared.models import build_unet as build_preset_unet
+from shared.norms import use_low_precision_norms
 from shared.presets import get_preset
 from train.config import TrainConfig
+from train.model.compile_plan import use_compile
 from train.model.diffusion import DiffusionModel, Objective
 from train.model.online_text import OnlineText
 
@@ -67,7 +76,27 @@ def build_unet(cfg: TrainConfig) -> UNet2DConditionModel:
     unet = build_preset_unet(get_preset(cfg.model.preset), cfg.model.init_from)
     if cfg.model.gradient_checkpointing:
         unet.enable_gradient_checkpointing()
+    if cfg.model.low_precision_norms:
+        swapped = use_low_precision_norms(unet)
+        log.info("model.low_precision_norms: %s run in the autocast dtype (shared/norms.py)", swapped)
     return unet.train()
+
+
+# Inductor reads its cache folder from the environment whenever it compiles; Triton's follows it here.
+INDUCTOR_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
+TRITON_CACHE_ENV = "TRITON_CACHE_DIR"
+
+
+def use_compile_cache(folder: str) -> str:
+    """Point inductor's (and Triton's) caches at `folder` for this process and the ranks it starts, before
+    the first compile; returns the folder in use ("" leaves inductor's default)."""
+    if not folder:
+        return os.environ.get(INDUCTOR_CACHE_ENV, "")
+    path = Path(folder).expanduser().resolve()
+    path.mkdir(parents=True, exist_ok=True)
+    os.environ[INDUCTOR_CACHE_ENV] = str(path)
+    os.environ.setdefault(TRITON_CACHE_ENV, str(path / "triton"))
+    return str(path)
 
 
 def assemble_model(
@@ -83,8 +112,15 @@ def assemble_model(
     unet = build_unet(cfg)
     if weights_channels_last(cfg, device):
         unet.to(memory_format=torch.channels_last)
-    if cfg.compile:
-        unet.compile()
+    if cfg.compile is None and device != "gpu":
+        log.info("compile off on CPU (compile: null); compile=true compiles here too")
+    if use_compile(cfg, device):
+        use_compile_cache(cfg.compile_cache_dir)
+        # Static shapes: a run feeds one shape, and under per-block FSDP each block class meets several
+        # channel counts; dynamo's automatic-dynamic recompile then makes C symbolic, and torch 2.7's
+        # GroupNorm backward decomposition fails on it (divmod of a SymInt; seen with aot_eager on 1 and 2
+        # gloo ranks, tests/train/checkpoints/test_gpu_path.py). One static graph per shape instead.
+        unet.compile(backend=cfg.compile_backend, dynamic=False)
     # Composer 0.32 wraps each child of the ComposerModel as its own FSDP root and looks the wrap rule up
     # on that child (the U-Net), not on the ComposerModel.
     unet.fsdp_wrap_fn = is_fsdp_unit

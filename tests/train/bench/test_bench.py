@@ -42,6 +42,12 @@ MINIMAL = [
     "threads=1",  # steadier on shared cores; run_bench restores the count afterwards
     "scale.s3=false",  # the scale counters (S3 server, 2-rank job): tests/train/test_bench_scale_counters.py
     "scale.collectives=false",
+    "anatomy.profile_steps=1",
+    "anatomy.compile_backend=eager",  # dynamo's graphs, breaks and recompiles without AOT or codegen
+    "anatomy.compile_steps=1",
+    "anatomy.variant_repeats=1",
+    "encode.vae_resolutions=[64]",
+    "encode.vae_batch_size=2",
 ]
 # A schedule at the resolutions measured, so the planner needs nothing the minimal bench leaves out.
 SCHEDULE = "schedule=[{resolution: 64, samples: 1000000}, {resolution: 128, samples: 1000000}]"
@@ -184,3 +190,35 @@ def test_bench_compares_the_loader_with_plain_streaming(bench_run: tuple[dict[st
             run["images_per_s"] / run["plain_streaming_images_per_s"]
         )
     assert any("train loader vs plain StreamingDataset" in line for line in result["findings"])
+
+
+def test_bench_takes_the_step_apart(bench_run: tuple[dict[str, Any], Path]) -> None:
+    """Issue 30 (1): ATen ops per step by family and phase, compile counts, memory, each switch's proxies."""
+    result, _ = bench_run
+    anatomy = result["anatomy"]
+    eager = anatomy["eager"]
+    assert {"step", "clipping", "optimizer", "ema"} <= set(eager["top_level_aten_ops_by_phase"])
+    assert {"convolution", "matmul", "normalization", "elementwise"} <= set(eager["aten_ops_by_family"])
+    assert positive(eager["bytes_moved"]) and eager["autocast_proxy"]
+    # under (CPU-proxied) bf16 autocast the norms stay fp32, as CUDA autocast keeps them
+    assert positive(eager["fp32_bytes_under_autocast_by_family"]["normalization"])
+    compiled = anatomy["compiled"]
+    assert compiled["graph_breaks"] == 0 and compiled["recompiles_after_first_step"] == 0
+    assert compiled["graphs"] >= 1 and compiled["compile_s"] >= 0
+    memory = anatomy["memory"]
+    assert positive(memory["activation_bytes_per_image"])
+    assert (
+        memory["batch_per_gpu"]["one_gpu"]["H200"]["max_images"]
+        > memory["batch_per_gpu"]["one_gpu"]["H100"]["max_images"]
+    )
+    for res in ("64", "128"):
+        runs = anatomy["variants"][res]
+        assert runs["recipe"]["gain"] == 1.0 and positive(runs["low_precision_norms"]["gain"])
+        # model.low_precision_norms takes the norms out of fp32 under autocast: nothing fp32 is left
+        assert runs["recipe"]["fp32_bytes_under_autocast"] > 0
+        assert runs["low_precision_norms"]["fp32_bytes_under_autocast"] == 0
+    vae = result["encode"]["vae"]["64"]
+    assert {"as_built", "low_precision_norms"} <= set(vae) and all(
+        positive(v["images_per_s"]) for v in vae.values()
+    )
+    assert any(line.startswith("anatomy 64 px:") for line in result["findings"])

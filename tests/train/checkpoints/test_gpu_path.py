@@ -16,6 +16,7 @@ cover fsdp on/off x channels_last on/off x checkpoint_format full/sharded:
 | one_rank | sharded@4 | 1 | off | on | full |
 | from_full | reference@4 | 2 | SHARD_GRAD_OP | off | sharded |
 | from_full_cl | reference@4 | 2 | SHARD_GRAD_OP | on | full |
+| speed_switches | sharded@4 | 2 | SHARD_GRAD_OP, compiled (aot_eager), low-precision norms | on | sharded |
 
 plus `export --weights ema|training` of the sharded run. Each 2-rank run is one `torchrun` launch of the
 real job; the 1-rank runs train in this process.
@@ -198,6 +199,11 @@ def test_sharded_run_exports_the_uninterrupted_runs_weights(runs: Runs, tmp_path
         ("one_rank", "sharded", 1, ("channels_last=true",)),
         ("from_full", "reference", 2, (*FSDP, "channels_last=false", "checkpoint_format=sharded")),
         ("from_full_cl", "reference", 2, (*FSDP, "channels_last=true", "checkpoint_format=full")),
+        # issue 30's speed switches: low-precision norms and the U-Net compiled under per-block FSDP
+        # (aot_eager: inductor's graphs without its C++ compiling), resumed from the eager sharded run
+        ("speed_switches", "sharded", 2, (*FSDP, "channels_last=true", "checkpoint_format=sharded",
+                                          "model.low_precision_norms=true", "compile=true",
+                                          "compile_backend=aot_eager")),
     ],
 )  # fmt: skip
 def test_resume_in_another_layout_matches_the_uninterrupted_run(

@@ -25,9 +25,14 @@ SETTINGS = [
 START_TIMEOUT_S = 300
 
 
-def start(data: str, save: Path, cache: Path, log: Path) -> subprocess.Popen:
+# issue 30's speed switches: low-precision norms and the U-Net compiled (aot_eager: inductor's graphs, ATen's
+# kernels; a CPU run would otherwise spend minutes compiling C++)
+SPEED_SWITCHES = ("model.low_precision_norms=true", "compile=true", "compile_backend=aot_eager")
+
+
+def start(data: str, save: Path, cache: Path, log: Path, *switches: str) -> subprocess.Popen:
     handle = log.open("a")
-    args = ["fit", "tiny", *tiny_overrides(data, save, cache, *SETTINGS)]
+    args = ["fit", "tiny", *tiny_overrides(data, save, cache, *SETTINGS, *switches)]
     return run_train_cli(args, stdout=handle, stderr=subprocess.STDOUT)
 
 
@@ -46,17 +51,18 @@ def final_state(save: Path) -> dict:
 
 
 @pytest.mark.slow
-def test_killed_and_resumed_run_matches_uninterrupted_run(tmp_path: Path) -> None:
+@pytest.mark.parametrize("switches", [(), SPEED_SWITCHES], ids=["eager", "speed_switches"])
+def test_killed_and_resumed_run_matches_uninterrupted_run(tmp_path: Path, switches: tuple[str, ...]) -> None:
     data = str(tmp_path / "data")
     write_fake_dataset(data, n=24)
     full, crash = tmp_path / "full", tmp_path / "crash"
     # Both start together (2 cores); the crashing one is killed as soon as its first checkpoint is published.
-    uninterrupted = start(data, full, tmp_path / "cache-full", tmp_path / "full.log")
-    crashing = start(data, crash, tmp_path / "cache-crash", tmp_path / "crash.log")
+    uninterrupted = start(data, full, tmp_path / "cache-full", tmp_path / "full.log", *switches)
+    crashing = start(data, crash, tmp_path / "cache-crash", tmp_path / "crash.log", *switches)
     kill_after_first_checkpoint(crashing, crash)
     assert crashing.returncode == -signal.SIGKILL
     resumed_from = os.path.realpath(crash / "latest-rank0.pt")
-    resumed = start(data, crash, tmp_path / "cache-crash", tmp_path / "crash.log")
+    resumed = start(data, crash, tmp_path / "cache-crash", tmp_path / "crash.log", *switches)
     assert resumed.wait(timeout=START_TIMEOUT_S) == 0, (tmp_path / "crash.log").read_text()[-3000:]
     assert uninterrupted.wait(timeout=START_TIMEOUT_S) == 0, (tmp_path / "full.log").read_text()[-3000:]
 

@@ -1,0 +1,42 @@
+"""Issue 30 (4): the VAE encoder's speed switches (encoder.low_precision_norms, encoder.compile) and the VAE
+alone as `make bench` times it (encode/vae_speed.py), on the tiny preset's VAE on CPU."""
+
+from __future__ import annotations
+
+import torch
+
+from encode.process.encoders import speed_up_vae
+from encode.vae_speed import vae_speed
+from shared.models import build_vae
+from shared.norms import count_low_precision_norms
+from shared.presets import get_preset, random_init
+from shared.runtime import resolve_device_setup
+
+
+def tiny_vae() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return build_vae(random_init(get_preset("tiny")))
+
+
+def test_switches_swap_the_norms_and_compile_the_encoder_keeping_the_weights() -> None:
+    vae = tiny_vae()
+    before = {k: v.clone() for k, v in vae.state_dict().items()}
+    speed_up_vae(vae, low_precision_norms=True, compile=True)
+    assert count_low_precision_norms(vae) > 0
+    assert vae.encoder._compiled_call_impl is not None  # compiled lazily at its first batch
+    assert all(torch.equal(before[k], v) for k, v in vae.state_dict().items())
+    plain = tiny_vae()
+    speed_up_vae(plain, low_precision_norms=False, compile=False)
+    assert count_low_precision_norms(plain) == 0 and plain.encoder._compiled_call_impl is None
+
+
+def test_vae_alone_per_resolution_and_switch() -> None:
+    setup = resolve_device_setup("cpu", "fp32", False)
+    out = vae_speed(tiny_vae(), [32, 64], 2, 1, "fp16", setup, compile=False)
+    assert set(out) == {"32", "64"}
+    for runs in out.values():
+        assert set(runs) == {"as_built", "low_precision_norms"}
+        for run in runs.values():
+            assert run["images_per_s"] > 0 and run["precision_timed"] == "fp32"  # CPU times fp32
+            error = run["error_over_std_at_fp16"]  # fp16 under CPU autocast vs strict fp32
+            assert 0 <= error["median"] <= error["max"] < 10

@@ -1,0 +1,120 @@
+"""Issue 30's speed switches keep the step correct on CPU: model.low_precision_norms and compile (aot_eager:
+the graphs inductor would compile, run with ATen's kernels).
+
+- the loss equals diffusers' own recipe (DDPMScheduler.add_noise + MSE on the noise, as
+  examples/text_to_image/train_text_to_image.py computes it) on the same draws; with low-precision norms
+  exactly in fp32 (the swap is the parent's forward there), and within bf16 rounding under autocast;
+- the compiled U-Net with the norms swapped: 0 graph breaks, 0 recompiles after the first step;
+- the step with both switches reads nothing back to the host (the sync-count test's check).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from shared.contract import LATENT_LOGVAR, LATENT_MEAN
+from shared.presets import get_preset
+from shared.runtime import resolve_device_setup
+from tests.train.conftest import tiny_config
+from train.bench.anatomy.ops import cpu_autocast_like_cuda
+from train.bench.step import synthetic_latent_batch, train_step
+from train.bench.syncs import count_readbacks
+from train.loop.trainer import build_optimizer
+from train.model.assemble import INDUCTOR_CACHE_ENV, TRITON_CACHE_ENV, assemble_model, use_compile_cache
+from train.model.compile_plan import compile_plan_line, use_compile
+from train.model.diffusion import SampleDraws, scheduler_kwargs
+
+# bf16 keeps 8 mantissa bits: a loss of ~1 computed through a bf16 U-Net differs from fp32 by ~1e-2
+BF16_LOSS_RTOL = 2e-2
+
+
+EPSILON = ("model.prediction_type=epsilon", "model.zero_terminal_snr=false")  # diffusers' SD2 recipe
+EPSILON_CONFIG = tiny_config("unused", "unused", "unused", *EPSILON)
+
+
+def model_and_batch(*switches: str) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    cfg = tiny_config("unused", "unused", "unused", *EPSILON, *switches)
+    torch.manual_seed(0)
+    model = assemble_model(cfg, "cpu", 0.5, torch.zeros(get_preset("tiny").text_shape()))
+    batch = synthetic_latent_batch(get_preset("tiny"), 64, 4, resolve_device_setup("cpu", "fp32", False), 3)
+    return model, batch
+
+
+def diffusers_recipe_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """train_text_to_image.py's loss on the draws our objective takes from the batch's seeds."""
+    from diffusers import DDPMScheduler
+
+    objective = model.objective
+    mean = batch[LATENT_MEAN]
+    draws = SampleDraws.from_batch(batch, tuple(mean.shape[1:]), objective.num_timesteps)
+    latents = objective.sample_latents(mean, batch[LATENT_LOGVAR], draws.latent_eps)
+    scheduler = DDPMScheduler(**scheduler_kwargs(EPSILON_CONFIG.model))
+    noisy = scheduler.add_noise(latents, draws.noise, draws.timesteps)
+    text = objective.condition(batch, draws.coin)
+    pred = model.unet(noisy, draws.timesteps, encoder_hidden_states=text).sample
+    return F.mse_loss(pred.float(), draws.noise.float())
+
+
+def our_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    return model.loss(model(batch), batch)
+
+
+def test_loss_matches_diffusers_recipe_with_low_precision_norms() -> None:
+    plain, batch = model_and_batch()
+    low, _ = model_and_batch("model.low_precision_norms=true")
+    with torch.no_grad():
+        reference = diffusers_recipe_loss(plain, batch)
+        assert torch.allclose(our_loss(plain, batch), reference, rtol=1e-5)
+        assert our_loss(low, batch).item() == our_loss(plain, batch).item()  # fp32: the same computation
+        with cpu_autocast_like_cuda():  # bf16 autocast with CUDA's fp32 norms, as a GPU run
+            amp_plain, amp_low = diffusers_recipe_loss(plain, batch), our_loss(low, batch)
+    assert torch.allclose(amp_plain, reference, rtol=BF16_LOSS_RTOL)
+    assert torch.allclose(amp_low, reference, rtol=BF16_LOSS_RTOL), (amp_low, reference)
+
+
+@pytest.mark.parametrize(
+    "switches", [("model.low_precision_norms=true", "compile=true", "compile_backend=aot_eager")]
+)
+def test_compiled_step_with_the_switches_has_no_breaks_recompiles_or_readbacks(
+    switches: tuple[str, ...],
+) -> None:
+    model, batch = model_and_batch(*switches)
+    cfg = tiny_config("unused", "unused", "unused", *switches)
+    optimizer = build_optimizer(cfg, model)
+    setup = resolve_device_setup("cpu", "fp32", False)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    train_step(model, optimizer, batch, setup)  # compiles forward and backward
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    with count_readbacks() as counts:
+        for _ in range(2):
+            train_step(model, optimizer, batch, setup)
+    assert counts.by_step == {}
+    assert graphs >= 1 and torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs  # no recompiles
+    assert not torch._dynamo.utils.counters["graph_break"]
+    assert not torch._dynamo.utils.counters["recompiles"]
+
+
+def test_sd2_recipes_compile_on_gpu_only_and_the_plan_says_what_it_costs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from shared.config import load_config
+    from train.config import TrainConfig
+
+    cfg = load_config(TrainConfig, "sd2-base-256", [f"save_folder={tmp_path}"], kind="train")
+    assert cfg.compile is None and cfg.model.low_precision_norms and cfg.compile_cache_dir
+    assert use_compile(cfg, "gpu") and not use_compile(cfg, "cpu")
+    line = compile_plan_line(cfg)
+    assert "first step also compiles" in line and "per FSDP unit" in line and cfg.compile_cache_dir in line
+    tiny = tiny_config("unused", "unused", "unused")
+    assert not use_compile(tiny, "gpu") and compile_plan_line(tiny) == ""
+    monkeypatch.delenv(INDUCTOR_CACHE_ENV, raising=False)
+    monkeypatch.delenv(TRITON_CACHE_ENV, raising=False)
+    folder = use_compile_cache(str(tmp_path / "cache"))
+    assert os.environ[INDUCTOR_CACHE_ENV] == folder and Path(folder).is_dir()
+    assert os.environ[TRITON_CACHE_ENV] == str(Path(folder) / "triton")

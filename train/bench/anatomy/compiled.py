@@ -1,0 +1,72 @@
+"""What compiling the U-Net costs and buys: compile time of its forward + backward (the first step over a
+steady one), graphs, graph breaks, recompiles after the first step, and ATen ops per step vs eager.
+
+Dynamo's own counters (`torch._dynamo.utils.counters`) are read: `stats.unique_graphs` (graphs compiled),
+`graph_break` (reasons, each a break), `recompiles` (a cache entry's guards failed). The backend is a
+setting: `inductor` is what a run uses (on CPU it compiles C++ and takes minutes on 2 cores); `aot_eager`
+traces forward and backward the same way without generating code, for graph, break and recompile counts.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from train.model.assemble import use_compile_cache
+
+
+def _dynamo_counts() -> dict[str, int]:
+    counters = torch._dynamo.utils.counters
+    return {
+        "graphs": int(counters["stats"]["unique_graphs"]),
+        "graph_breaks": int(sum(counters["graph_break"].values())),
+        "recompiles": int(sum(counters["recompiles"].values())),
+    }
+
+
+def graph_break_reasons() -> list[str]:
+    return sorted(str(reason)[:200] for reason in torch._dynamo.utils.counters["graph_break"])
+
+
+def compile_anatomy(
+    unet: torch.nn.Module,
+    run_step: Callable[[], None],
+    sync: Callable[[], None],
+    backend: str,
+    steps: int,
+    cache_dir: str = "",
+) -> dict[str, Any]:
+    """Compile `unet` in place with `backend`, then time its first step (compilation included) and `steps`
+    more; counts as in the module doc. `run_step` runs one full train step on the model holding `unet`."""
+    use_compile_cache(cache_dir)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    unet.compile(backend=backend, dynamic=False)  # as the train job compiles it (train/model/assemble.py)
+    start = time.perf_counter()
+    run_step()
+    sync()
+    first_s = time.perf_counter() - start
+    after_first = _dynamo_counts()
+    seconds = []
+    for _ in range(max(steps, 1)):
+        start = time.perf_counter()
+        run_step()
+        sync()
+        seconds.append(time.perf_counter() - start)
+    after_all = _dynamo_counts()
+    steady = statistics.median(seconds)
+    return {
+        "backend": backend,
+        "first_step_s": first_s,
+        "steady_step_s": steady,
+        # forward + backward compile time: what the first step costs beyond a compiled step
+        "compile_s": max(0.0, first_s - steady),
+        **after_first,
+        "graphs_after_first_step": after_all["graphs"] - after_first["graphs"],
+        "recompiles_after_first_step": after_all["recompiles"] - after_first["recompiles"],
+        "graph_break_reasons": graph_break_reasons(),
+    }

@@ -1,0 +1,254 @@
+"""The train step as the job runs it, taken apart: ATen ops dispatched per step, their self time by op family
+and by phase (forward + backward, clipping, optimizer, EMA), bytes they move and work left in fp32 under
+autocast.
+
+The step is `train/bench/step.py`'s (zero_grad, autocast forward + loss, backward, optimizer step) plus the
+train job's gradient clipping (train/loop/clipping.py, folded into the fused AdamW where it can be) and its
+EMA update (train/ema/store.py), each under a `record_function` label so the profiler can tell them apart.
+
+Counts are the proxies a CPU can improve without a GPU: every top-level ATen op is a kernel launch on a GPU
+(launch overhead dominates SD2 at 256 px), and the compiled step's count shows what inductor fused. Bytes are
+each op's tensor inputs plus outputs (an upper bound on memory traffic: caches and fusion make it less);
+"fp32 under autocast" counts the bytes of convolution / matmul / normalization ops whose output stays fp32
+while autocast is on (GroupNorm and LayerNorm do, `model.low_precision_norms` changes that).
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from shared.runtime import DeviceSetup
+from train.ema.store import NamedEMAStore
+from train.loop.clipping import GradNormClipping
+from train.model.diffusion import DiffusionModel
+
+PHASES = ("step", "clipping", "optimizer", "ema")  # "step": zero_grad, forward, loss, backward
+EMA_SMOOTHING = 0.9999
+# Op families by ATen name (first match wins); anything else computing is "elementwise".
+FAMILY_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("convolution", ("convolution", "conv2d", "cudnn_conv", "mkldnn_conv", "conv_depthwise")),
+    ("attention", ("scaled_dot_product", "flash_attention", "efficient_attention", "_softmax", "softmax")),
+    ("matmul", ("addmm", "bmm", "baddbmm", "matmul", "linear", "mm")),
+    ("normalization", ("group_norm", "layer_norm", "batch_norm")),
+    ("optimizer", ("adam", "_fused_sgd")),
+    ("copies", ("copy_", "_to_copy", "clone", "contiguous", "to", "cat", "stack")),
+    ("memory", ("empty", "zeros", "ones", "full", "fill_", "zero_", "resize_")),
+    ("views", ("view", "reshape", "permute", "transpose", "expand", "t", "slice", "select", "unsqueeze",
+               "squeeze", "as_strided", "split", "chunk", "detach", "alias", "unbind", "narrow", "flatten",
+               "_unsafe_view")),
+)  # fmt: skip
+FP32_WATCHED = ("convolution", "matmul", "attention", "normalization")
+
+
+def family_of(op: str) -> str:
+    """`aten::native_group_norm` / `aten.native_group_norm.default` -> "normalization"."""
+    name = op.removeprefix("aten::").removeprefix("aten.").split(".")[0]
+    for family, keys in FAMILY_RULES:
+        if family in ("copies", "memory", "views"):
+            if name in keys or name.rstrip("_") in keys or name.removeprefix("new_") in keys:
+                return family
+        elif any(key in name for key in keys):
+            return family
+    return "elementwise"
+
+
+# --------------------------------------------------------------------------------------------- the step
+@dataclass
+class FullStep:
+    """One optimizer step of the train job on fixed inputs: `run(labels)` labels each phase."""
+
+    model: DiffusionModel
+    optimizer: torch.optim.Optimizer
+    batch: dict[str, torch.Tensor]
+    setup: DeviceSetup
+    clip_norm: float | None
+    ema: NamedEMAStore | None = None
+    clipping: GradNormClipping | None = None
+    state: Any = None
+
+    @classmethod
+    def build(
+        cls, model: DiffusionModel, optimizer: Any, batch: Any, setup: DeviceSetup, clip: Any
+    ) -> FullStep:
+        step = cls(model, optimizer, batch, setup, clip, NamedEMAStore(model))
+        if clip is not None:
+            step.clipping = GradNormClipping(clip)
+            step.state = SimpleNamespace(model=model, optimizers=[optimizer], precision=setup.precision)
+            step.clipping.look_up_targets(step.state)
+        return step
+
+    def run(self, label: Callable[[str], AbstractContextManager[Any]] | None = None) -> None:
+        label = label or (lambda _: nullcontext())
+        with label("step"):
+            self.optimizer.zero_grad(set_to_none=True)
+            with self.setup.autocast():
+                loss = self.model.loss(self.model(self.batch), self.batch)
+            loss.backward()
+        if self.clipping is not None:
+            with label("clipping"):
+                self.clipping.clip_params(self.clipping.targets.params, self.state)  # type: ignore[union-attr]
+        with label("optimizer"):
+            self.optimizer.step()
+        if self.ema is not None:
+            with label("ema"):
+                self.ema.lerp(self.model, EMA_SMOOTHING)
+
+
+# ------------------------------------------------------------------------------------- dispatch counting
+@dataclass
+class DispatchTally:
+    """ATen ops as dispatched (below autograd and autocast): counts, bytes and fp32-under-autocast bytes."""
+
+    ops: collections.Counter[str] = field(default_factory=collections.Counter)
+    bytes_by_family: collections.Counter[str] = field(default_factory=collections.Counter)
+    fp32_bytes_by_family: collections.Counter[str] = field(default_factory=collections.Counter)
+    autocast_on: bool = False
+
+    def add(self, op: str, args: Any, out: Any) -> None:
+        family = family_of(op)
+        self.ops[family] += 1
+        if family == "views":
+            return
+        tensors = [t for t in torch.utils._pytree.tree_leaves((args, out)) if isinstance(t, torch.Tensor)]
+        moved = sum(t.numel() * t.element_size() for t in tensors)
+        self.bytes_by_family[family] += moved
+        # the primary output: attention kernels also return an fp32 logsumexp whatever their dtype
+        outs = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        if self.autocast_on and family in FP32_WATCHED and outs and outs[0].dtype == torch.float32:
+            self.fp32_bytes_by_family[family] += moved
+
+    def to_json(self) -> dict[str, Any]:
+        computing = sum(n for fam, n in self.ops.items() if fam != "views")
+        return {
+            "aten_ops": sum(self.ops.values()),
+            "aten_ops_computing": computing,  # views launch no kernel
+            "aten_ops_by_family": dict(self.ops.most_common()),
+            "bytes_moved": sum(self.bytes_by_family.values()),
+            "bytes_by_family": dict(self.bytes_by_family.most_common()),
+            "fp32_bytes_under_autocast": sum(self.fp32_bytes_by_family.values()),
+            "fp32_bytes_under_autocast_by_family": dict(self.fp32_bytes_by_family.most_common()),
+        }
+
+
+class _Tally(TorchDispatchMode):
+    def __init__(self, tally: DispatchTally):
+        super().__init__()
+        self.tally = tally
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        self.tally.add(str(func), (args, kwargs), out)
+        return out
+
+
+# Where CUDA autocast differs from CPU autocast (torch's autocast_mode.cpp lists) on ops the U-Net runs:
+# CUDA keeps the norms in fp32 (what `model.low_precision_norms` changes) and runs attention in bf16.
+CUDA_FP32_FUNCTIONS = {torch.nn.functional.group_norm, torch.nn.functional.layer_norm}
+CUDA_LOW_FUNCTIONS = {torch.nn.functional.scaled_dot_product_attention}
+
+
+def _cast_args(args: Any, dtype: torch.dtype) -> list[Any]:
+    return [a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
+
+
+class CudaAutocastPolicy(TorchFunctionMode):
+    """Under CPU autocast: GroupNorm / LayerNorm in fp32 and attention in bf16, as CUDA autocast runs them;
+    calls made with autocast switched off (shared/norms.py's) run as they are."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if torch.is_autocast_enabled("cpu") and func in CUDA_FP32_FUNCTIONS | CUDA_LOW_FUNCTIONS:
+            dtype = torch.float32 if func in CUDA_FP32_FUNCTIONS else torch.get_autocast_dtype("cpu")
+            with torch.autocast("cpu", enabled=False):
+                return func(*_cast_args(args, dtype), **kwargs)
+        return func(*args, **kwargs)
+
+
+def cpu_autocast_like_cuda() -> AbstractContextManager[Any]:
+    """CPU bf16 autocast with CUDA's policy for the norms and attention (CudaAutocastPolicy)."""
+    import contextlib
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch.autocast("cpu", dtype=torch.bfloat16))
+    stack.enter_context(CudaAutocastPolicy())
+    return stack
+
+
+def dispatch_tally(step: FullStep, cpu_autocast_proxy: bool = False) -> DispatchTally:
+    """One eager step counted op by op (the step must have run once: optimizer state exists). On CPU,
+    `cpu_autocast_proxy` runs that step under CPU bf16 autocast with CUDA's fp32 policy for the norms
+    (`cpu_autocast_like_cuda`), so the fp32-under-autocast bytes mean what they would on a GPU; the train
+    job itself never autocasts on CPU."""
+    cuda_amp = step.setup.device.type == "cuda" and step.setup.precision != "fp32"
+    proxy = cpu_autocast_proxy and step.setup.device.type == "cpu"
+    tally = DispatchTally(autocast_on=cuda_amp or proxy)
+    region = cpu_autocast_like_cuda() if proxy else nullcontext()
+    with region, _Tally(tally):
+        step.run()
+    step.setup.sync()
+    return tally
+
+
+# ------------------------------------------------------------------------------------------- profiling
+def _phase_of(event: Any) -> str | None:
+    node = event
+    while node is not None:
+        if node.name in PHASES:
+            return node.name
+        node = node.cpu_parent
+    return None
+
+
+def _is_top_level_aten(event: Any) -> bool:
+    if not event.name.startswith("aten::"):
+        return False
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name.startswith("aten::"):
+            return False
+        parent = parent.cpu_parent
+    return True
+
+
+def profile_steps(step: FullStep, steps: int) -> dict[str, Any]:
+    """`steps` steps under the torch profiler: top-level ATen ops per step (a GPU launches a kernel for
+    each; inductor's fused kernels are not ATen ops), and self time by phase and by op family (device time
+    on a GPU, CPU time on CPU), in seconds per step."""
+    from torch.autograd.profiler import record_function
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = step.setup.device.type == "cuda"
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            step.run(record_function)
+        step.setup.sync()
+    by_phase: collections.Counter[str] = collections.Counter()
+    by_family: collections.Counter[str] = collections.Counter()
+    launches: collections.Counter[str] = collections.Counter()
+    for event in prof.events():
+        if not event.name.startswith("aten::"):
+            continue
+        seconds = (event.self_device_time_total if cuda else event.self_cpu_time_total) / 1e6
+        phase = _phase_of(event) or "step"  # unlabelled: the autograd engine's own thread (a GPU backward)
+        by_phase[phase] += seconds / steps
+        by_family[family_of(event.name)] += seconds / steps
+        if _is_top_level_aten(event):
+            launches[phase] += 1
+    time_kind = "device self time" if cuda else "CPU self time"
+    return {
+        "time_kind": time_kind,
+        "top_level_aten_ops_per_step": sum(launches.values()) / steps,
+        "top_level_aten_ops_by_phase": {k: v / steps for k, v in launches.most_common()},
+        "seconds_by_phase": dict(by_phase.most_common()),
+        "seconds_by_family": dict(by_family.most_common()),
+    }

@@ -1,0 +1,143 @@
+"""The anatomy section of `make bench`: the train step of the bench's recipe taken apart at one resolution
+(ops.py, compiled.py, memory.py), then each speed switch in `anatomy.variants` timed on its own."""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from shared.presets import get_preset
+from shared.runtime import DeviceSetup
+from train.bench.anatomy.compiled import compile_anatomy
+from train.bench.anatomy.memory import activation_bytes_per_image, batch_per_gpu
+from train.bench.anatomy.ops import FullStep, dispatch_tally, profile_steps
+from train.bench.config import BenchConfig
+from train.bench.step import FlopCounts, StepBench, mfu, synthetic_latent_batch, time_calls
+from train.config import TrainConfig
+from train.model.compile_plan import use_compile
+
+WARMUP_STEPS = 2  # a variant's untimed steps: compilation, optimizer state, cuDNN autotuning, allocator
+
+
+def _free() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def full_step(
+    recipe: TrainConfig, setup: DeviceSetup, resolution: int, batch_size: int, seed: int
+) -> FullStep:
+    """The recipe's model and optimizer on the device, one fixed batch, clipping and EMA as the job runs."""
+    torch.manual_seed(seed)
+    bench = StepBench(recipe, setup, online=False)
+    batch = synthetic_latent_batch(get_preset(recipe.model.preset), resolution, batch_size, setup, seed)
+    return FullStep.build(bench.model, bench.optimizer, batch, setup, recipe.optimizer.grad_clip_norm)
+
+
+# The shipped SD2 recipes' sharding (jobs/train/sd2-base-*.yaml) on the published 256 GPUs.
+FSDP_RANKS, FSDP_STRATEGY = 256, "SHARD_GRAD_OP"
+
+
+def memory_section(step: FullStep, recipe: TrainConfig, resolution: int, batch_size: int, seed: int) -> Any:
+    """Activation bytes per image and the batch per GPU type it allows: on one GPU (no FSDP), and under
+    the shipped recipes' FSDP on 256 ranks."""
+    preset = get_preset(recipe.model.preset)
+    small = synthetic_latent_batch(preset, resolution, 1, step.setup, seed)
+    large = synthetic_latent_batch(preset, resolution, 1 + max(batch_size, 1), step.setup, seed)
+    per_image = activation_bytes_per_image(step.model, small, large, step.setup)
+    params = sum(p.numel() for p in step.model.unet.parameters())
+    return {
+        "activation_bytes_per_image": per_image,
+        "unet_params": params,
+        "batch_per_gpu": {
+            "one_gpu": batch_per_gpu(per_image, params, 1, "DDP"),
+            f"{FSDP_STRATEGY}_{FSDP_RANKS}_ranks": batch_per_gpu(
+                per_image, params, FSDP_RANKS, FSDP_STRATEGY
+            ),
+        },
+    }
+
+
+def bench_anatomy(cfg: BenchConfig, recipe: TrainConfig, setup: DeviceSetup) -> dict[str, Any]:
+    """Eager step: dispatch counts, bytes, profile by phase and family, memory; then the compiled step
+    (anatomy.compile_backend), then the variants."""
+    plan = cfg.anatomy
+    res, batch_size = cfg.anatomy_resolution(), cfg.anatomy_batch()
+    eager = dataclasses.replace(recipe, compile=False)  # the recipe's switches, compile measured apart
+    step = full_step(eager, setup, res, batch_size, cfg.seed)
+    step.run()  # optimizer state, allocator
+    out: dict[str, Any] = {"resolution": res, "batch_size": batch_size}
+    tally = dispatch_tally(step, plan.cpu_autocast_proxy)
+    out["eager"] = tally.to_json() | profile_steps(step, plan.profile_steps)
+    out["eager"]["autocast_proxy"] = plan.cpu_autocast_proxy and setup.kind == "cpu"
+    out["memory"] = memory_section(step, recipe, res, batch_size, cfg.seed)
+    if plan.compile_backend:
+        unet = step.model.unet
+        compiled = compile_anatomy(
+            unet, step.run, setup.sync, plan.compile_backend, plan.compile_steps, plan.compile_cache_dir
+        )
+        profiled = profile_steps(step, 1)
+        compiled["top_level_aten_ops_per_step"] = profiled["top_level_aten_ops_per_step"]
+        out["compiled"] = compiled
+        torch._dynamo.reset()
+    del step
+    _free()
+    return out
+
+
+def proxies(step: FullStep, variant: TrainConfig, cpu_autocast_proxy: bool) -> dict[str, Any]:
+    """A variant's dispatch counts (eager variants only: a dispatch mode under a compiled U-Net would
+    count what dynamo traces, not what runs)."""
+    if use_compile(variant, step.setup.kind):
+        return {}
+    tally = dispatch_tally(step, cpu_autocast_proxy).to_json()
+    keys = (
+        "aten_ops_computing",
+        "bytes_moved",
+        "fp32_bytes_under_autocast",
+        "fp32_bytes_under_autocast_by_family",
+    )
+    return {key: tally[key] for key in keys}
+
+
+def bench_variants(
+    cfg: BenchConfig,
+    recipe: TrainConfig,
+    setup: DeviceSetup,
+    recipe_with: Callable[[list[str]], TrainConfig],
+    flops: dict[int, FlopCounts],
+    peak: float | None,
+) -> dict[str, Any]:
+    """Per resolution: the full step (clipping and EMA included) of the recipe and of each variant, with
+    images/s, MFU and the gain over anatomy.baseline (a variant's name, or "recipe")."""
+    plan = cfg.anatomy
+    runs = {"recipe": recipe, **{name: recipe_with(list(o)) for name, o in plan.variants.items()}}
+    out: dict[str, Any] = {}
+    for res in cfg.step.resolutions:
+        batch_size = cfg.step.batch_for(res)
+        timed: dict[str, Any] = {}
+        for name, variant in runs.items():
+            torch._dynamo.reset()
+            step = full_step(variant, setup, res, batch_size, cfg.seed)
+            seconds = time_calls(step.run, WARMUP_STEPS, plan.variant_repeats, setup).median
+            rate = batch_size / seconds
+            timed[name] = {
+                "overrides": list(plan.variants.get(name, [])),
+                "step_s": seconds,
+                "images_per_s_per_device": rate,
+                "mfu": mfu(flops[res].unet_train_step, rate, peak),
+                "top_level_aten_ops_per_step": profile_steps(step, 1)["top_level_aten_ops_per_step"],
+                **proxies(step, variant, plan.cpu_autocast_proxy),
+            }
+            del step
+            _free()
+        base = timed[plan.baseline]["step_s"]
+        for entry in timed.values():
+            entry["gain"] = base / entry["step_s"]
+        out[str(res)] = timed
+    return out
