@@ -14,13 +14,14 @@ import contextlib
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from shared.presets import random_init
+from shared.values import allowed
 
 if TYPE_CHECKING:
     from encode.config import EncodeConfig
@@ -39,15 +40,15 @@ LATENT_PRECISION_IMAGES = 64  # images of the largest resolution the latent prec
 class EncodeBenchConfig:
     enabled: bool = True
     dataset: str = "sample"  # jobs/datasets config whose filter, caption and transform settings apply
-    resolutions: list[int] = field(default_factory=lambda: [64, 128])
+    resolutions: list[int] = allowed(default_factory=lambda: [64, 128], ge=8)
     # 0: the bundled sample data (encode/sample_data.py, images 24-288 px); else synthetic photos with this
     # shorter side (4:3), e.g. 320 to feed 256 px.
     source_short_side: int = 0
-    samples: int = 128  # source samples, spread over `partitions` tars
-    partitions: int = 2
-    batch_size: int = 32
+    samples: int = allowed(128, ge=1)  # source samples, spread over `partitions` tars
+    partitions: int = allowed(2, ge=1)
+    batch_size: int = allowed(32, ge=1)
     workers: int = 1  # decode/resize processes beside the models
-    repeats: int = 1
+    repeats: int = allowed(1, ge=1)
 
 
 # ----------------------------------------------------------------------------------------------- sources

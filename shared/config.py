@@ -3,9 +3,11 @@
 Every job has one nested config dataclass. `load_config` builds it from a YAML file (or a name that resolves
 to one in `jobs/`), applies overrides such as `output.uri=s3://bucket/x` or `resolutions=[256,512]`, coerces
 values to the declared field types and rejects any key the dataclass does not declare, naming the key, the
-closest declared one ("did you mean optimizer.lr?") and the keys that exist. Errors name where the bad key or
-value came from: the YAML file, or `command line` for an override. Cross-field rules live in each
-dataclass's `__post_init__`.
+closest declared one ("did you mean optimizer.lr?") and the keys that exist. Every value given is checked
+against its field's allowed values (shared/values.py: ranges declared in the field's metadata; numbers that
+declare none must be finite and >= 0), before any cross-field rule. Errors name where the bad key or value
+came from: the YAML file, or `command line` for an override. Cross-field rules live in each dataclass's
+`__post_init__`.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
+
+from shared.values import ValueRangeError, check_value
 
 T = TypeVar("T")
 
@@ -183,11 +187,25 @@ def build_dataclass(cls: type[T], raw: Mapping[str, Any], where: str = "<mapping
     if unknown:
         raise ConfigError(f"{where}: {unknown_key_message(prefix.rstrip('.'), unknown, fields)}")
     hints = typing.get_type_hints(cls)
-    kwargs = {name: _coerce(hints[name], value, where, prefix + name) for name, value in raw.items()}
+    kwargs = {}
+    for name, value in raw.items():
+        key = prefix + name
+        coerced = _coerce(hints[name], value, where, key)
+        try:  # the field's allowed values (shared/values.py), before any cross-field rule sees them
+            kwargs[name] = check_value(fields[name], coerced, key)
+        except (ValueRangeError, ConfigError) as err:
+            raise ConfigError(_located(err, where)) from None
     try:
         return cls(**kwargs)
     except TypeError as err:  # a required field with no default and no value
         raise ConfigError(f"{where}: {prefix or 'config'}: {err}") from err
+    except ConfigError as err:  # a cross-field rule of __post_init__: say where the config came from
+        raise ConfigError(_located(err, where)) from None
+
+
+def _located(err: Exception, where: str) -> str:
+    message = str(err)
+    return message if message.startswith(f"{where}: ") else f"{where}: {message}"
 
 
 def _coerce(tp: Any, value: Any, where: str, key: str) -> Any:
