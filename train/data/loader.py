@@ -264,8 +264,8 @@ def build_dataset(
     """The StreamingDataset over the pinned version (remote shards, private local cache); rows carry their
     stored training columns, their sample seed and their stream. `streams`: Streaming `Stream`s of a
     data.streams mix (train/data/mix.py), read instead of `pinned`."""
-    with streaming_prefix_lock():
-        return _new_dataset(cfg, pinned, per_rank_batch, seed, streams)
+    with streaming_prefix_lock() as created:
+        return created(_new_dataset(cfg, pinned, per_rank_batch, seed, streams))
 
 
 def _new_dataset(
