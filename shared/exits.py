@@ -9,18 +9,30 @@ the traceback of those too.
 Each stage's CLI wraps its typer commands once with `guard_commands(app, classify)`, where `classify` maps
 an exception to `Stop(code, prefix)` or None (a bug). The wrapper sits inside the command, so typer's test
 runner sees the same exit codes as a shell.
+
+`python -m shared.exits ARGS` is torchrun as the launch supervisor runs it (`torchrun_argv`): torchrun
+raises ChildFailedError for any rank that exits non-zero, and Python prints its traceback and a report box,
+also when the ranks exited 75 after a clean save or 2 after explaining an error in one line. The supervisor
+says what an exit means; here a rank that exited with such a code adds nothing, any other exit one line
+(`torchrun: rank 1 exited -9`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+import shutil
 import sys
-from collections.abc import Callable
+import tempfile
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import typer
+
+from shared.launch.control import EXIT_FATAL, EXIT_RESUMABLE
 
 DEBUG_ENV = "SD_DEBUG"
 DEBUG_FLAG = "--debug"
@@ -32,6 +44,7 @@ class Stop:
 
     code: int
     prefix: str = "error: "
+    quiet: bool = False  # print nothing (another process says it, e.g. global rank 0 for every rank)
 
 
 Classify = Callable[[BaseException], Stop | None]
@@ -90,8 +103,66 @@ def _guarded(command: Callable[..., Any], classify: Classify) -> Callable[..., A
             stop = None if isinstance(err, typer.Exit) else classify(err)
             if stop is None or debug_enabled():
                 raise
-            typer.echo(f"{stop.prefix}{err}", err=True)
+            if not stop.quiet:
+                typer.echo(f"{stop.prefix}{err}", err=True)
             raise typer.Exit(stop.code) from None
 
     run._guarded = True  # type: ignore[attr-defined]
     return run
+
+
+# ------------------------------------------------------------------------------------------- torchrun
+SELF_EXPLAINED = (EXIT_RESUMABLE, EXIT_FATAL)  # exit codes whose rank printed why it stopped
+# torch's per-rank "failed (exitcode: N)" and "Sending process N closing signal" lines; the line below says it
+ELASTIC_API_LOGGER = "torch.distributed.elastic.multiprocessing.api"
+TORCHRUN_FAILED = 1  # torchrun's own exit code when a rank failed
+TORCHELASTIC_TEMP_PREFIX = "torchelastic_"
+
+
+def torchrun_argv(argv: list[str]) -> list[str]:
+    """`torchrun ARGS` -> `python -m shared.exits ARGS` (this interpreter); any other command as it is."""
+    if argv and os.path.basename(argv[0]) == "torchrun":
+        return [sys.executable, "-m", "shared.exits", *argv[1:]]
+    return list(argv)
+
+
+def run_torchrun() -> None:
+    """torchrun's main without the traceback box for ranks that stopped on purpose (module doc)."""
+    import logging
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main as torchrun_main
+
+    if not debug_enabled():
+        logging.getLogger(ELASTIC_API_LOGGER).setLevel(logging.CRITICAL)
+    with _removing_new_temp_dirs(TORCHELASTIC_TEMP_PREFIX):
+        _torchrun_quietly(torchrun_main, ChildFailedError)
+
+
+@contextlib.contextmanager
+def _removing_new_temp_dirs(prefix: str) -> Iterator[None]:
+    """torchrun leaves its per-launch log folder (<tmp>/torchelastic_*) behind: one per launch and restart."""
+    temp = Path(tempfile.gettempdir())
+    before = set(temp.glob(f"{prefix}*"))
+    try:
+        yield
+    finally:
+        for folder in set(temp.glob(f"{prefix}*")) - before:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _torchrun_quietly(torchrun_main: Callable[[], Any], failed: type[Exception]) -> None:
+    try:
+        torchrun_main()
+    except failed as err:
+        if debug_enabled():
+            raise
+        unexplained = [f for f in err.failures.values() if f.exitcode not in SELF_EXPLAINED]  # type: ignore[attr-defined]
+        if unexplained:
+            text = ", ".join(f"rank {f.rank} exited {f.exitcode}" for f in unexplained)
+            print(f"torchrun: {text}", file=sys.stderr, flush=True)
+        sys.exit(TORCHRUN_FAILED)
+
+
+if __name__ == "__main__":
+    run_torchrun()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -75,6 +76,13 @@ def _under(folder: str, roots: list[Path]) -> bool:
     return any(path == str(r) or path.startswith(f"{r}{os.sep}") for r in roots)
 
 
+def _removed_at_exit() -> set[str]:
+    """Temp folders a library makes at import and removes at interpreter exit, after this check runs."""
+    instantiator = sys.modules.get("torch.distributed.nn.jit.instantiator")  # tempfile.TemporaryDirectory()
+    folder = getattr(instantiator, "_TEMP_DIR", None)
+    return {Path(folder.name).name} if folder is not None else set()
+
+
 def finish_run(run: Run, basetemp: Path | None) -> list[str]:
     """Lines naming what this run left behind (nothing: []), after removing it."""
     lines = []
@@ -84,7 +92,8 @@ def finish_run(run: Run, basetemp: Path | None) -> list[str]:
         lines.append(f"/dev/shm: {len(ours)} Streaming segment(s) of this run: {', '.join(ours)}")
         for name in ours:
             (SHM / name).unlink(missing_ok=True)
-    entries = sorted(run.temp.iterdir()) if run.temp.is_dir() else []
+    later = _removed_at_exit()
+    entries = sorted(p for p in run.temp.iterdir() if p.name not in later) if run.temp.is_dir() else []
     if entries:
         shown = ", ".join(p.name for p in entries[:20]) + (" ..." if len(entries) > 20 else "")
         lines.append(f"{run.temp}: {len(entries)} entr(y/ies) left in this run's temp folder: {shown}")

@@ -4,6 +4,7 @@ over the library."""
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 
 import typer
@@ -72,8 +73,8 @@ def classify(err: BaseException) -> Stop | None:
     """Expected stops of every train command (shared/exits.py): the message says what to do; None: a bug."""
     from train.resilience.exits import ResumableStop
 
-    if isinstance(err, ResumableStop):  # saved on a signal or a deadline: one line, rerun to resume
-        return Stop(EXIT_RESUMABLE, prefix="")
+    if isinstance(err, ResumableStop):  # saved on a signal or a deadline: one line (rank 0's), rerun
+        return Stop(EXIT_RESUMABLE, prefix="", quiet=int(os.environ.get("RANK", "0")) != 0)
     if isinstance(err, _user_errors()):
         return Stop(EXIT_FATAL)
     return None

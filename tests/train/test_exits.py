@@ -11,7 +11,7 @@ import typer
 from typer.testing import CliRunner
 
 from shared.config import ConfigError
-from shared.exits import DEBUG_ENV, Stop, add_debug_option, guard_commands, take_debug_flag
+from shared.exits import DEBUG_ENV, Stop, add_debug_option, guard_commands, take_debug_flag, torchrun_argv
 from tests.train.conftest import REPO_ROOT
 from train.cli import classify
 from train.resilience.exits import ResumableStop
@@ -87,3 +87,12 @@ def test_a_wrong_value_on_the_real_cli_is_one_line_before_any_work(tmp_path) -> 
     assert not any(tmp_path.iterdir())  # nothing was built
     debug = subprocess.run([*argv, "--debug"], cwd=REPO_ROOT, env=env, capture_output=True, text=True)
     assert debug.returncode != 0 and "Traceback" in debug.stderr + debug.stdout
+
+
+def test_the_supervisor_runs_torchrun_without_its_traceback_box() -> None:
+    """torchrun prints a ChildFailedError traceback whenever a rank exits non-zero, also 75 after a clean
+    save; the supervisor runs it through shared/exits.py (what it then prints: the SIGTERM test of
+    tests/train/resilience/test_unattended.py)."""
+    argv = ["/venv/bin/torchrun", "--standalone", "-m", "train", "fit"]
+    assert torchrun_argv(argv) == [sys.executable, "-m", "shared.exits", "--standalone", "-m", "train", "fit"]
+    assert torchrun_argv(["bash", "-c", "x"]) == ["bash", "-c", "x"]
