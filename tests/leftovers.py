@@ -12,6 +12,7 @@ Several suites (and jobs) may run at once on one machine, so nothing here counts
 
 from __future__ import annotations
 
+import gc
 import os
 import re
 import shutil
@@ -22,6 +23,7 @@ from pathlib import Path
 
 SHM = Path("/dev/shm")
 RUN_PREFIX = "sd-pretrain-tests-"
+PRODUCT_CACHE_PREFIX = "sd-pretrain-"  # shared.storage.private_temp_dir folders (locks, caches, run logs)
 _SEGMENT = re.compile(r"^(\d{6})_[a-z_]+$")  # Streaming's `<prefix>_<what>`
 
 
@@ -77,22 +79,29 @@ def _under(folder: str, roots: list[Path]) -> bool:
 
 
 def _removed_at_exit() -> set[str]:
-    """Temp folders a library makes at import and removes at interpreter exit, after this check runs."""
-    instantiator = sys.modules.get("torch.distributed.nn.jit.instantiator")  # tempfile.TemporaryDirectory()
-    folder = getattr(instantiator, "_TEMP_DIR", None)
-    return {Path(folder.name).name} if folder is not None else set()
+    """What this process removes at interpreter exit, after this check runs: live TemporaryDirectory objects
+    (torch makes one at import), its datasets' Streaming file locks, and the product's per-user caches
+    (`sd-pretrain-*`: kept across jobs by design, removed here with the run's temp folder)."""
+    live = [
+        o for o in gc.get_objects() if type(o) is tempfile.TemporaryDirectory
+    ]  # not isinstance: proxies warn
+    names = {Path(o.name).name for o in live}
+    host = sys.modules.get("train.data.streaming_host")
+    names |= {p.name for p in getattr(host, "LOCKS_REMOVED_AT_EXIT", [])}
+    return names | {p.name for p in Path(tempfile.gettempdir()).glob(f"{PRODUCT_CACHE_PREFIX}*")}
 
 
 def finish_run(run: Run, basetemp: Path | None) -> list[str]:
     """Lines naming what this run left behind (nothing: []), after removing it."""
     lines = []
     roots = [run.temp.resolve(), *([basetemp.resolve()] if basetemp else [])]
-    ours = streaming_segments_naming(roots)
+    later = _removed_at_exit()
+    alive = {name[:6] for name in later if _SEGMENT.match(name.removesuffix("_filelock"))}  # our datasets'
+    ours = [name for name in streaming_segments_naming(roots) if name[:6] not in alive]
     if ours:
         lines.append(f"/dev/shm: {len(ours)} Streaming segment(s) of this run: {', '.join(ours)}")
         for name in ours:
             (SHM / name).unlink(missing_ok=True)
-    later = _removed_at_exit()
     entries = sorted(p for p in run.temp.iterdir() if p.name not in later) if run.temp.is_dir() else []
     if entries:
         shown = ", ".join(p.name for p in entries[:20]) + (" ..." if len(entries) > 20 else "")

@@ -32,6 +32,7 @@ _PREFIX_LOCK_NAME = "streaming-shm-prefix.lock"
 PREFIX_LOCK_TIMEOUT_S = 600.0  # another job's dataset construction takes seconds; this only breaks a deadlock
 _PREFIX_LOCK_POLL_S = 0.05
 _held_locks: dict[str, int] = {}  # local dir -> open fd holding its flock (released when the process exits)
+LOCKS_REMOVED_AT_EXIT: list[Path] = []  # Streaming file locks of this process's datasets
 
 
 class DataError(ValueError):
@@ -165,9 +166,15 @@ def remove_file_locks_at_exit(dataset: Any) -> Any:
     from streaming.base.constant import BARRIER_FILELOCK, CACHE_FILELOCK
     from streaming.base.shared.prefix import _get_path
 
-    paths = [Path(root, _get_path(prefix, name)) for name in (BARRIER_FILELOCK, CACHE_FILELOCK)]
-    atexit.register(lambda: [path.unlink(missing_ok=True) for path in paths])
+    if not LOCKS_REMOVED_AT_EXIT:
+        atexit.register(_remove_file_locks)
+    LOCKS_REMOVED_AT_EXIT.extend(Path(root, _get_path(prefix, n)) for n in (BARRIER_FILELOCK, CACHE_FILELOCK))
     return dataset
+
+
+def _remove_file_locks() -> None:
+    for path in LOCKS_REMOVED_AT_EXIT:
+        path.unlink(missing_ok=True)
 
 
 def _acquire_prefix_lock() -> int:
