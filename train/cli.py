@@ -96,6 +96,7 @@ def fit(
     from train.loop.trainer import fit as run_fit
     from train.resilience.exits import record_fatal
 
+    _quiet_tracker_under_torchrun()
     try:
         cfg = load_config(TrainConfig, config, overrides or [], kind="train")
         _warn_unused_gpus()
@@ -111,6 +112,21 @@ def fit(
             "raise max_duration to train it longer, or set save_folder=<a new folder>"
         ) from err
     typer.echo(f"done at {trainer.state.timestamp.batch.value} batches; checkpoints in {cfg.save_folder}")
+
+
+# Python's resource tracker warns "There appear to be N leaked shared_memory objects" when it unlinks what a
+# dead process registered (and "No such file" for what another process removed first).
+TRACKER_WARNINGS = "ignore:resource_tracker:UserWarning"
+
+
+def _quiet_tracker_under_torchrun() -> None:
+    """A torchrun rank can be killed (a peer died; torchrun SIGKILLs the rest): its resource tracker then
+    unlinks the Streaming segments the rank made, as it should, and warns about each; the supervisor's
+    restart line says what happened. The tracker is a process of its own, started with the first segment,
+    so the filter goes through its environment. Single-process runs keep the warning (a real leak)."""
+    if "LOCAL_WORLD_SIZE" in os.environ:
+        current = os.environ.get("PYTHONWARNINGS", "")
+        os.environ["PYTHONWARNINGS"] = f"{current},{TRACKER_WARNINGS}" if current else TRACKER_WARNINGS
 
 
 def _warn_unused_gpus() -> None:
