@@ -86,6 +86,9 @@ def _removed_at_exit() -> set[str]:
         o for o in gc.get_objects() if type(o) is tempfile.TemporaryDirectory
     ]  # not isinstance: proxies warn
     names = {Path(o.name).name for o in live}
+    mp_temp = getattr(sys.modules.get("multiprocessing.process"), "current_process", lambda: None)()
+    if mp_temp is not None and mp_temp._config.get("tempdir"):  # multiprocessing's pymp-*, a finalizer's
+        names.add(Path(mp_temp._config["tempdir"]).name)
     host = sys.modules.get("train.data.streaming_host")
     names |= {p.name for p in getattr(host, "LOCKS_REMOVED_AT_EXIT", [])}
     return names | {p.name for p in Path(tempfile.gettempdir()).glob(f"{PRODUCT_CACHE_PREFIX}*")}
@@ -106,5 +109,15 @@ def finish_run(run: Run, basetemp: Path | None) -> list[str]:
     if entries:
         shown = ", ".join(p.name for p in entries[:20]) + (" ..." if len(entries) > 20 else "")
         lines.append(f"{run.temp}: {len(entries)} entr(y/ies) left in this run's temp folder: {shown}")
-    shutil.rmtree(run.temp, ignore_errors=True)
+    for entry in entries:
+        shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() else entry.unlink(missing_ok=True)
+    _remove_at_exit(run.temp)
     return lines
+
+
+def _remove_at_exit(folder: Path) -> None:
+    """The run's temp folder goes after everything removed at exit: multiprocessing's finalizers run lowest
+    priority last, and its own pymp-* folder is removed at priority -100 (multiprocessing/util.py)."""
+    from multiprocessing import util
+
+    util.Finalize(None, shutil.rmtree, args=(str(folder),), kwargs={"ignore_errors": True}, exitpriority=-101)

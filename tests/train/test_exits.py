@@ -35,7 +35,9 @@ def _app(error: Exception) -> typer.Typer:
 
 @pytest.fixture(autouse=True)
 def _no_debug(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(DEBUG_ENV, raising=False)
+    """Off for each test, and whatever a test sets (take_debug_flag writes os.environ) is undone after it:
+    a leaked SD_DEBUG=1 would give later tests' subprocesses tracebacks."""
+    monkeypatch.setenv(DEBUG_ENV, "0")
 
 
 def test_a_resumable_stop_is_one_line_with_exit_75() -> None:
@@ -65,7 +67,7 @@ def test_debug_shows_the_traceback_of_an_expected_stop(monkeypatch: pytest.Monke
 
 def test_debug_is_taken_from_anywhere_on_the_command_line(monkeypatch: pytest.MonkeyPatch) -> None:
     assert take_debug_flag(["fit", "tiny", "lr=1"]) == ["fit", "tiny", "lr=1"]
-    assert DEBUG_ENV not in os.environ
+    assert os.environ[DEBUG_ENV] == "0"
     assert take_debug_flag(["fit", "tiny", "--debug", "lr=1"]) == ["fit", "tiny", "lr=1"]
     assert os.environ[DEBUG_ENV] == "1"  # and torchrun's ranks inherit it
 
@@ -80,7 +82,7 @@ def test_a_wrong_value_on_the_real_cli_is_one_line_before_any_work(tmp_path) -> 
     """The issue's example: `make train ARGS='optimizer.lr=-1 ...'` ended in a torch traceback after building
     everything; now one line, exit 2, and with --debug the traceback."""
     argv = [sys.executable, "-m", "train", "fit", "tiny", "optimizer.lr=-1", f"save_folder={tmp_path}"]
-    env = {k: v for k, v in os.environ.items() if k != DEBUG_ENV}
+    env = {**os.environ, DEBUG_ENV: "0"}
     run = subprocess.run([*argv, "max_duration=2ba"], cwd=REPO_ROOT, env=env, capture_output=True, text=True)
     assert run.returncode == 2, run.stderr
     assert run.stderr.strip() == "error: command line: optimizer.lr must be > 0, got -1.0"
