@@ -15,7 +15,7 @@ PIP_FROM = $(if $(WHEELS),--no-index --find-links $(abspath $(WHEELS)))
 PIP := $(VENV)/bin/pip install --quiet --disable-pip-version-check
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
-# The newest torch Composer 0.32.1 still runs with, which CI tests too (shared/stack.py TESTED_TORCH).
+# The newest torch Composer 0.32.1 still runs with, which CI tests too (shared/runtime/stack.py TESTED_TORCH).
 TORCH_NEXT ?= torch==2.11.0 torchvision==0.26.0
 # test-torch-next's stand-in for a GPU image (a Python holding TORCH_NEXT) and the venv made on top of it.
 NEXT_IMAGE ?= .venv-torch-next-image
@@ -52,13 +52,13 @@ help:  ## list targets
 
 $(STAMP): pyproject.toml requirements.lock | torch-mode
 ifeq ($(TORCH),system)
-	@$(PYTHON) -m shared.stack check $(if $(ALLOW_UNTESTED),--allow-untested)
+	@$(PYTHON) -m shared.runtime.stack check $(if $(ALLOW_UNTESTED),--allow-untested)
 	@test -x $(BIN)/python || $(PYTHON) -m venv --system-site-packages $(VENV)
 	@# PYTHON may itself be a venv's interpreter, whose packages a venv made from it does not see: name them.
-	@($(PYTHON) -m shared.stack site-dirs && pwd) > "$$($(BIN)/python -m shared.stack site-dirs | head -1)/sd-pretrain-image.pth"
-	@$(PYTHON) -m shared.stack requirements --out $(VENV)/requirements-system.txt
+	@($(PYTHON) -m shared.runtime.stack site-dirs && pwd) > "$$($(BIN)/python -m shared.runtime.stack site-dirs | head -1)/sd-pretrain-image.pth"
+	@$(PYTHON) -m shared.runtime.stack requirements --out $(VENV)/requirements-system.txt
 	$(PIP) --no-deps $(PIP_FROM) -r $(VENV)/requirements-system.txt $(QUIET)
-	@$(BIN)/python -m shared.stack check $(if $(ALLOW_UNTESTED),--allow-untested)
+	@$(BIN)/python -m shared.runtime.stack check $(if $(ALLOW_UNTESTED),--allow-untested)
 	@printf '%s\n%s\n' "$(PYTHON)" "$(abspath $(WHEELS))" > $(VENV)/.torch-system
 else
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -79,7 +79,7 @@ install: $(STAMP)  ## create .venv: the pinned stack, or [TORCH=system PYTHON=..
 wheelhouse:  ## make wheelhouse WHEELS=DIR [PYTHON=python3.12 | WHEEL_PYTHON=3.12 WHEEL_PLATFORM=manylinux_2_28_x86_64]
 	@test -n "$(WHEELS)" || (echo "usage: make wheelhouse WHEELS=DIR [PYTHON=<the GPU machine's python version here>]" && exit 1)
 	@mkdir -p $(WHEELS)
-	@python3 -m shared.stack requirements --out $(WHEELS)/requirements.txt
+	@python3 -m shared.runtime.stack requirements --out $(WHEELS)/requirements.txt
 ifdef WHEEL_PYTHON
 	python3 -m pip download --quiet --disable-pip-version-check --no-deps --only-binary=:all: -d $(WHEELS) \
 	  --python-version $(WHEEL_PYTHON) --implementation cp $(addprefix --platform ,$(or $(WHEEL_PLATFORM),manylinux_2_28_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux1_x86_64 linux_x86_64 any)) \

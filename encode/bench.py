@@ -14,19 +14,20 @@ import contextlib
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from shared.config.values import allowed
 from shared.presets import random_init
 
 if TYPE_CHECKING:
     from encode.config import EncodeConfig
     from encode.process.encoders import Encoders
     from encode.process.prepare import PreparedSample
-    from shared.runtime import DeviceSetup
+    from shared.runtime.device import DeviceSetup
 
 # torch and the encode pipeline are imported inside the functions that use them: train's bench config
 # imports this module (for EncodeBenchConfig) whenever `python -m train` starts, and must stay light.
@@ -39,19 +40,19 @@ LATENT_PRECISION_IMAGES = 64  # images of the largest resolution the latent prec
 class EncodeBenchConfig:
     enabled: bool = True
     dataset: str = "sample"  # jobs/datasets config whose filter, caption and transform settings apply
-    resolutions: list[int] = field(default_factory=lambda: [64, 128])
+    resolutions: list[int] = allowed(default_factory=lambda: [64, 128], ge=8)
     # 0: the bundled sample data (encode/sample_data.py, images 24-288 px); else synthetic photos with this
     # shorter side (4:3), e.g. 320 to feed 256 px.
     source_short_side: int = 0
-    samples: int = 128  # source samples, spread over `partitions` tars
-    partitions: int = 2
-    batch_size: int = 32
+    samples: int = allowed(128, ge=1)  # source samples, spread over `partitions` tars
+    partitions: int = allowed(2, ge=1)
+    batch_size: int = allowed(32, ge=1)
     workers: int = 1  # decode/resize processes beside the models
-    repeats: int = 1
+    repeats: int = allowed(1, ge=1)
     # The VAE encoder alone at these resolutions (px; []: skipped), as built and with each speed switch
     # (encode/vae_speed.py): images/s, MFU, error over the posterior std
-    vae_resolutions: list[int] = field(default_factory=list)
-    vae_batch_size: int = 8
+    vae_resolutions: list[int] = allowed(default_factory=list, ge=8)
+    vae_batch_size: int = allowed(8, ge=1)
     vae_compile: bool = False  # also the compiled encoder (inductor: minutes of C++ compiling on CPU)
 
 

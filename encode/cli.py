@@ -7,8 +7,6 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 
@@ -19,6 +17,8 @@ from encode.launch import launch_command
 from encode.sample_data import BUILDERS
 from encode.sample_data import build as build_sample_data
 from shared.config import ConfigError, load_config
+from shared.runtime.exits import Stop, add_debug_option, guard_commands
+from shared.runtime.exits import main as run_app
 
 HELP_WIDTH = shutil.get_terminal_size((120, 24)).columns  # COLUMNS, the terminal, or 120 when piped
 app = typer.Typer(
@@ -40,25 +40,26 @@ OVERRIDES_HELP = "dotted overrides, e.g. output.uri=s3://bucket/x preset=tiny tr
 BARRIER_TIMEOUT = timedelta(days=7)
 
 
+add_debug_option(app)
+
+
 def load(dataset: str, overrides: list[str] | None) -> EncodeConfig:
-    try:
-        return load_config(EncodeConfig, dataset, overrides or [], kind="datasets")
-    except ConfigError as err:
-        typer.echo(f"config error: {err}", err=True)
-        raise typer.Exit(2) from None
+    return load_config(EncodeConfig, dataset, overrides or [], kind="datasets")
 
 
-@contextmanager
-def user_errors() -> Iterator[None]:
-    """Problems the user fixes (a wrong path, missing credentials) print one line instead of a traceback."""
+def classify(err: BaseException) -> Stop | None:
+    """Expected stops (shared/runtime/exits.py): problems the user fixes (a bad config, a wrong path, missing
+    credentials, a contract mismatch) exit 2 with one line; unfinished partitions at publish exit 1."""
+    from encode.publish.finalize import NotFinishedError
     from encode.sources import SourceError
+    from shared.contract import ContractError
     from shared.storage import StorageError
 
-    try:
-        yield
-    except (FileNotFoundError, SourceError, StorageError, ConfigError) as err:
-        typer.echo(f"error: {err}", err=True)
-        raise typer.Exit(2) from None
+    if isinstance(err, NotFinishedError):
+        return Stop(1, prefix="")
+    if isinstance(err, (FileNotFoundError, SourceError, StorageError, ConfigError, ContractError)):
+        return Stop(2)
+    return None
 
 
 def setup_logging() -> None:
@@ -76,7 +77,7 @@ def run(
     from encode.publish.finalize import publish
     from encode.report import print_publish, print_rank
     from encode.sources import list_partitions
-    from shared.runtime import unused_gpus_warning
+    from shared.runtime.device import unused_gpus_warning
 
     setup_logging()
     cfg = load(dataset, overrides)
@@ -84,17 +85,15 @@ def run(
     if warning := unused_gpus_warning("encode"):
         typer.secho(warning, err=True, fg="yellow", bold=True)
     start = time.perf_counter()
-    with user_errors():
-        partitions = list_partitions(cfg.source)  # a wrong path fails here, before the models load
-        encoders = load_encoders(cfg)
-        summary = run_rank(cfg, rank, encoders, partitions)
+    partitions = list_partitions(cfg.source)  # a wrong path fails here, before the models load
+    encoders = load_encoders(cfg)
+    summary = run_rank(cfg, rank, encoders, partitions)
     print_rank(summary)
     joined = wait_for_all_ranks(rank.world_size)
     if summary.failed:
         raise typer.Exit(1)
     if rank.rank == 0 and (rank.world_size == 1 or joined):
-        with user_errors(), finished_or_exit():
-            result = publish(cfg, encoders)
+        result = publish(cfg, encoders)
         print_publish(result, cfg, time.perf_counter() - start)
 
 
@@ -115,17 +114,6 @@ def wait_for_all_ranks(world_size: int) -> bool:
     return True
 
 
-@contextmanager
-def finished_or_exit() -> Iterator[None]:
-    from encode.publish.finalize import NotFinishedError
-
-    try:
-        yield
-    except NotFinishedError as err:
-        typer.echo(str(err), err=True)
-        raise typer.Exit(1) from None
-
-
 @app.command()
 def finalize(
     dataset: str = typer.Argument(..., help=DATASET_HELP),
@@ -139,8 +127,7 @@ def finalize(
     setup_logging()
     cfg = load(dataset, overrides)
     start = time.perf_counter()
-    with user_errors(), finished_or_exit():
-        result = publish(cfg, load_encoders(cfg))
+    result = publish(cfg, load_encoders(cfg))
     print_publish(result, cfg, time.perf_counter() - start)
 
 
@@ -157,8 +144,7 @@ def gc(
     from shared.manifest import Layout
 
     cfg = load(dataset, overrides)
-    with user_errors():
-        report = collect_garbage(Layout(cfg.output.uri), keep=keep, dry_run=dry_run, force=force)
+    report = collect_garbage(Layout(cfg.output.uri), keep=keep, dry_run=dry_run, force=force)
     typer.echo("\n".join(describe_gc(report, dry_run)))
 
 
@@ -183,8 +169,11 @@ app.command("launch", help="Plan and launch encode ranks on local / Slurm / Kube
 )
 
 
+guard_commands(app, classify)
+
+
 def main() -> None:
-    app(prog_name="python -m encode")
+    run_app(app, "python -m encode")
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from typing import Literal
 
 from shared.buckets import auto_buckets, sort_buckets
 from shared.config import ConfigError
+from shared.config.values import allowed
 from shared.contract import TOKEN_ID_LIMIT
 from shared.presets import get_preset
 
@@ -34,21 +35,21 @@ class SourceConfig:
     key_column: str = "key"
     # folder: images are spread over this many partitions by a stable hash of their path, so adding
     # images re-encodes only the partitions they land in.
-    folder_partitions: int = 16
+    folder_partitions: int = allowed(16, ge=1)
     # Encode only the first N partitions (a quick try on a huge dataset); None: all.
-    max_partitions: int | None = None
+    max_partitions: int | None = allowed(None, ge=1)
     # Byte budgets, so a small hostile input cannot exhaust a worker's memory. A sample whose image,
     # caption and metadata together exceed max_sample_bytes is skipped unread ("sample_too_large"; one
     # file alone over it: "file_too_large"); tar members of extensions the sample does not use are never
     # read. Real web images are a few MB; 64 MiB leaves room for large PNGs.
-    max_sample_bytes: int = 64 << 20
+    max_sample_bytes: int = allowed(64 << 20, ge=1)
     # parquet: a row group whose uncompressed size (from the file's metadata, checked before reading it)
     # exceeds this is skipped with all its rows ("row_group_too_large"). Reading takes ~3x this in memory.
-    max_row_group_bytes: int = 1 << 30
+    max_row_group_bytes: int = allowed(1 << 30, ge=1)
     # Stored (raw) captions are cut to this many characters, never rejected: the text encoder reads 77
     # tokens (~300 characters of English), so the cut loses nothing the model sees, while rejecting would
     # lose the image. 4x caption.max_chars leaves room for the entities and whitespace cleaning removes.
-    max_caption_chars: int = 4096
+    max_caption_chars: int = allowed(4096, ge=1)
 
 
 @dataclass
@@ -56,24 +57,25 @@ class FilterConfig:
     """LAION / SD2-style sample selection. A threshold of None disables that check."""
 
     min_size: int = 256  # shorter side in px, before any resize
-    max_aspect_ratio: float = 2.0  # longer side / shorter side
-    max_punsafe: float | None = 0.1  # LAION-2B/5B `punsafe` (SD2 kept < 0.1)
-    max_pwatermark: float | None = 0.5  # LAION-2B/5B `pwatermark`
+    max_aspect_ratio: float = allowed(2.0, ge=1)  # longer side / shorter side
+    max_punsafe: float | None = allowed(0.1, ge=0, le=1)  # LAION-2B/5B `punsafe` (SD2 kept < 0.1)
+    max_pwatermark: float | None = allowed(0.5, ge=0, le=1)  # LAION-2B/5B `pwatermark`
     drop_nsfw_tags: list[str] = field(default_factory=lambda: ["NSFW"])  # LAION-400M `NSFW` column
-    min_similarity: float | None = None  # LAION `similarity` (CLIP image-text score), e.g. 0.28
+    # LAION `similarity` (CLIP image-text cosine score), e.g. 0.28
+    min_similarity: float | None = allowed(None, ge=-1, le=1)
     # A sample with no usable punsafe / pwatermark value (absent, null, NaN, not a number) while that check
     # is enabled: "admit" keeps it and counts it in the manifest's `extra.admitted_unchecked` under
     # `punsafe_missing` / `pwatermark_missing`; "reject" (fail closed) drops it under the same reason.
     missing_safety: Literal["admit", "reject"] = "admit"
     # Decompression-bomb guard: images whose header claims more pixels than this are skipped, undecoded.
-    max_pixels: int = 8192 * 8192
+    max_pixels: int = allowed(8192 * 8192, ge=1)
     min_caption_chars: int = 1  # after cleaning
 
 
 @dataclass
 class CaptionConfig:
     clean: bool = True  # unescape HTML entities, drop control characters, collapse whitespace
-    max_chars: int = 1024  # longer captions are cut (the tokenizer keeps 77 tokens anyway)
+    max_chars: int = allowed(1024, ge=1)  # longer captions are cut (the tokenizer keeps 77 tokens anyway)
 
 
 @dataclass
@@ -90,7 +92,7 @@ class TextConfig:
 class TransformConfig:
     # Every resolution is written as its own streamable dataset; an image smaller than a resolution is
     # absent from it (never upscaled).
-    resolutions: list[int] = field(default_factory=lambda: [256, 512])
+    resolutions: list[int] = allowed(default_factory=lambda: [256, 512], ge=8)  # px, each
     resample: Literal["lanczos", "bicubic", "bilinear", "area"] = "bicubic"
     crop: Literal["center"] = "center"
     # Aspect-ratio buckets (shared/buckets.py). "none": every image centre-cropped to a square (as before
@@ -101,7 +103,7 @@ class TransformConfig:
     buckets: Literal["none", "auto"] | dict[int, list[tuple[int, int]]] = "none"
     # Side step of auto buckets in px: 64 for SD (8x VAE x 8x U-Net downsampling); a multiple of the VAE's
     # downsample factor. Tiny models: 16.
-    bucket_step: int = 64
+    bucket_step: int = allowed(64, ge=8)
 
     def bucket_lists(self, max_aspect: float) -> dict[int, list[tuple[int, int]]]:
         """resolution -> its buckets; {} when square-only (buckets: none)."""
@@ -127,7 +129,7 @@ class EncoderConfig:
     # near 5) moved the mean by up to 0.036 = 3.0-6.6 posterior stds, 16-24% of values by > 0.1 std;
     # fp16 by up to 0.0035 = 0.27-0.43 std, 0.1-0.14% of values by > 0.1 std, nothing overflowed.
     precision: Literal["fp32", "fp16", "bf16"] = "fp16"
-    batch_size: int = 32
+    batch_size: int = allowed(32, ge=1)
     # The VAE's GroupNorms in the inference dtype instead of autocast's fp32 (shared/norms.py): half their
     # bytes, no NHWC -> NCHW copy around each on CUDA. Acts only under autocast (GPU fp16 / bf16); CPU runs
     # are unchanged. `make bench` reports the latents' error over the posterior std with it (encode section).
@@ -141,7 +143,7 @@ class EncoderConfig:
 class OutputConfig:
     uri: str = ""  # local folder or s3://bucket/prefix
     compression: str | None = None  # MDS shard compression, e.g. zstd (latents compress poorly)
-    shard_size_limit: int = 1 << 27  # bytes per MDS shard before it rolls over
+    shard_size_limit: int = allowed(1 << 27, ge=1)  # bytes per MDS shard before it rolls over
     # Finished partitions waiting for (or in) their upload + done-marker on a background thread while the
     # next partition encodes; each holds its staged shards on local disk until published. 0: publish
     # synchronously (the GPU idles during every upload).
@@ -189,24 +191,11 @@ class EncodeConfig:
         if self.filter.missing_safety not in ("admit", "reject"):
             raise ConfigError(f"filter.missing_safety is {self.filter.missing_safety!r}; use admit or reject")
         src = self.source
-        if min(src.max_sample_bytes, src.max_row_group_bytes, src.max_caption_chars) < 1:
-            raise ConfigError(
-                "source.max_sample_bytes, source.max_row_group_bytes and source.max_caption_chars "
-                "must be >= 1"
-            )
         if src.max_caption_chars < self.caption.max_chars:
             raise ConfigError(
                 f"source.max_caption_chars ({src.max_caption_chars}) is below caption.max_chars "
                 f"({self.caption.max_chars}); raise source.max_caption_chars or lower caption.max_chars"
             )
-        if self.filter.max_aspect_ratio < 1:
-            raise ConfigError("filter.max_aspect_ratio must be >= 1 (longer side / shorter side)")
-        if self.output.max_pending_uploads < 0:
-            raise ConfigError(
-                "output.max_pending_uploads must be >= 0 (0: publish each partition synchronously)"
-            )
-        if self.encoder.batch_size < 1 or self.workers < 0:
-            raise ConfigError("encoder.batch_size must be >= 1 and workers >= 0")
 
     def _check_buckets(self, factor: int) -> None:
         transform = self.transform

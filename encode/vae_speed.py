@@ -14,7 +14,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from shared.runtime import DeviceSetup
+    from shared.runtime.device import DeviceSetup
 
 VAE_WARMUP = 2  # untimed batches first: cuDNN autotuning, compilation
 
@@ -37,7 +37,7 @@ def vae_variants(vae: Any, compile: bool) -> dict[str, Any]:
 def _posterior_mean(vae: Any, pixels: Any, precision: str, setup: DeviceSetup) -> Any:
     import torch
 
-    from shared.runtime import AUTOCAST_DTYPES
+    from shared.runtime.device import AUTOCAST_DTYPES
 
     dtype = AUTOCAST_DTYPES.get(precision)
     ctx = torch.autocast(pixels.device.type, dtype=dtype, enabled=dtype is not None)

@@ -1,9 +1,14 @@
-"""Suite-wide fixtures: a real S3 server (SeaweedFS) on loopback, and the gpu auto-skip.
+"""Suite-wide fixtures: a real S3 server (SeaweedFS) on loopback, the gpu auto-skip, and the leftover check.
 
 The S3 server (shared/storage/s3_server.py, which `make bench` starts the same way) runs once per test
 session with every port picked on 127.0.0.1 (parallel CI jobs cannot collide) and an identities file, so
 boto3's signed requests are really verified. `S3_ENDPOINT_URL` + AWS credentials are exported for the
 session, which points both `shared.storage` and MosaicML Streaming (it reads the same variable) at it.
+
+The run gets a temp folder of its own (TMPDIR, tests/leftovers.py); pytest keeps `tmp_path` folders only
+for failed tests (pyproject: tmp_path_retention_policy). At the end the session lists, then removes,
+whatever it left in its temp folder and the Streaming segments it left in /dev/shm; with
+SD_TESTS_STRICT_LEFTOVERS=1 (CI) such leftovers fail the run.
 """
 
 from __future__ import annotations
@@ -25,7 +30,14 @@ from pathlib import Path
 
 import pytest
 
-from shared.storage.s3_server import S3Server, pointed_at, run_seaweedfs
+from tests import leftovers
+
+RUN = leftovers.start_run()  # before anything caches the temp folder
+
+from shared.storage.s3_server import S3Server, pointed_at, run_seaweedfs  # noqa: E402
+
+STRICT_LEFTOVERS_ENV = "SD_TESTS_STRICT_LEFTOVERS"
+_LEFT: list[str] = []
 
 # -------------------------------------------------------------------------------------- collection
 S3_FIXTURES = ("s3_server", "s3_prefix")
@@ -80,3 +92,20 @@ def _safe_name(name: str) -> str:
 def s3_prefix(s3_server: S3Server, request: pytest.FixtureRequest) -> str:
     """A fresh `s3://<bucket>/<test-name>-<uuid>` prefix no other test writes under."""
     return f"s3://{s3_server.bucket}/{_safe_name(request.node.name)}-{uuid.uuid4().hex[:12]}"
+
+
+# ------------------------------------------------------------------------------------------- leftovers
+@pytest.hookimpl(trylast=True)  # after pytest removed a passing session's tmp_path folders
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    factory = getattr(session.config, "_tmp_path_factory", None)
+    basetemp = getattr(factory, "_basetemp", None)
+    _LEFT[:] = leftovers.finish_run(RUN, basetemp)
+    if _LEFT and os.environ.get(STRICT_LEFTOVERS_ENV) == "1" and exitstatus == 0:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if _LEFT:
+        terminalreporter.write_sep("=", "left behind by this run (now removed)", yellow=True)
+        for line in _LEFT:
+            terminalreporter.write_line(line)

@@ -170,7 +170,7 @@ class Check:
         if done.returncode:
             raise RuntimeError(f"importing torch failed:\n{done.stderr[-2000:]}")
         facts = json.loads(done.stdout.strip().splitlines()[-1])
-        from shared.stack import stack_problems, tested_range
+        from shared.runtime.stack import stack_problems, tested_range
 
         problems = stack_problems(facts["python"], facts["torch"], facts["cuda"])
         facts["tested_range"] = tested_range()

@@ -1,6 +1,7 @@
+from shared.runtime.exits import main
 from train.cli import app
 
 # Guarded: Composer's S3 uploader starts worker processes with the `spawn` method, which re-imports the
 # main module in each child; an unguarded call would start the CLI again there.
 if __name__ == "__main__":
-    app(prog_name="python -m train")
+    main(app, "python -m train")

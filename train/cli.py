@@ -4,11 +4,13 @@ over the library."""
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 
 import typer
 
-from shared.launch.control import EXIT_RESUMABLE
+from shared.launch.control import EXIT_FATAL, EXIT_RESUMABLE
+from shared.runtime.exits import Stop, add_debug_option, guard_commands, main
 
 HELP_WIDTH = shutil.get_terminal_size((120, 24)).columns  # COLUMNS, the terminal, or 120 when piped
 app = typer.Typer(
@@ -25,6 +27,9 @@ app = typer.Typer(
 )
 
 
+add_debug_option(app)
+
+
 def _setup_logging() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
@@ -38,13 +43,17 @@ def _user_errors() -> tuple[type[Exception], ...]:
     from shared.models import TextLayerError
     from shared.storage import StorageError
     from train.checkpoints.files import CheckpointError, UnsafeCheckpointError
+    from train.checkpoints.record import DatasetChangedError
     from train.data.loader import DataError
     from train.ema.names import EMAStoreMismatchError
+    from train.export.pipeline import ExportError
     from train.loop.guards import NonFiniteLossError
     from train.loop.prepare import RunFinishedError
 
     return (
         ConfigError,
+        DatasetChangedError,
+        ExportError,
         ContractError,
         BatchingError,
         CheckpointError,
@@ -60,9 +69,15 @@ def _user_errors() -> tuple[type[Exception], ...]:
     )
 
 
-def _fail(err: Exception) -> None:
-    typer.echo(f"error: {err}", err=True)
-    raise typer.Exit(2)
+def classify(err: BaseException) -> Stop | None:
+    """Expected stops of train commands (shared/runtime/exits.py): the message names the fix; None: a bug."""
+    from train.resilience.exits import ResumableStop
+
+    if isinstance(err, ResumableStop):  # saved on a signal or a deadline: one line (rank 0's), rerun
+        return Stop(EXIT_RESUMABLE, prefix="", quiet=int(os.environ.get("RANK", "0")) != 0)
+    if isinstance(err, _user_errors()):
+        return Stop(EXIT_FATAL)
+    return None
 
 
 @app.command()
@@ -77,34 +92,45 @@ def fit(
     from train.config import TrainConfig
 
     _setup_logging()
-    from train.checkpoints.record import DatasetChangedError
+    from train.loop.prepare import RunFinishedError
     from train.loop.trainer import fit as run_fit
-    from train.resilience.exits import ResumableStop, record_fatal
+    from train.resilience.exits import record_fatal
 
+    _quiet_tracker_under_torchrun()
     try:
         cfg = load_config(TrainConfig, config, overrides or [], kind="train")
         _warn_unused_gpus()
         trainer = run_fit(cfg)
-    except ResumableStop as stop:
-        typer.echo(str(stop), err=True)
-        raise typer.Exit(EXIT_RESUMABLE) from None
-    except (*_user_errors(), DatasetChangedError) as err:
+    except _user_errors() as err:
         record_fatal(err)  # the supervisor stops instead of restarting (shared/launch/supervisor.py)
-        _fail(err)
+        raise
     except ValueError as err:  # Composer's own finished-run check, for max_duration in epochs or samples
         if "elapsed training duration" not in str(err):
             raise
-        _fail(
-            ValueError(
-                f"the run in {cfg.save_folder} already reached max_duration={cfg.max_duration}: "
-                "raise max_duration to train it longer, or set save_folder=<a new folder>"
-            )
-        )
+        raise RunFinishedError(
+            f"the run in {cfg.save_folder} already reached max_duration={cfg.max_duration}: "
+            "raise max_duration to train it longer, or set save_folder=<a new folder>"
+        ) from err
     typer.echo(f"done at {trainer.state.timestamp.batch.value} batches; checkpoints in {cfg.save_folder}")
 
 
+# Python's resource tracker warns "There appear to be N leaked shared_memory objects" when it unlinks what a
+# dead process registered (and "No such file" for what another process removed first).
+TRACKER_WARNINGS = "ignore:resource_tracker:UserWarning"
+
+
+def _quiet_tracker_under_torchrun() -> None:
+    """A torchrun rank can be killed (a peer died; torchrun SIGKILLs the rest): its resource tracker then
+    unlinks the Streaming segments the rank made, as it should, and warns about each; the supervisor's
+    restart line says what happened. The tracker is a process of its own, started with the first segment,
+    so the filter goes through its environment. Single-process runs keep the warning (a real leak)."""
+    if "LOCAL_WORLD_SIZE" in os.environ:
+        current = os.environ.get("PYTHONWARNINGS", "")
+        os.environ["PYTHONWARNINGS"] = f"{current},{TRACKER_WARNINGS}" if current else TRACKER_WARNINGS
+
+
 def _warn_unused_gpus() -> None:
-    from shared.runtime import unused_gpus_warning
+    from shared.runtime.device import unused_gpus_warning
 
     if warning := unused_gpus_warning("train"):
         typer.secho(warning, err=True, fg="yellow", bold=True)
@@ -123,13 +149,10 @@ def export(
     ),
 ) -> None:
     """Write a diffusers StableDiffusionPipeline folder from a checkpoint."""
-    from train.export.pipeline import ExportError, export_pipeline
+    from train.export.pipeline import export_pipeline
 
     _setup_logging()
-    try:
-        result = export_pipeline(checkpoint, out, sampler, weights, allow_encoder_mismatch)  # type: ignore[arg-type]
-    except (*_user_errors(), ExportError) as err:
-        _fail(err)
+    result = export_pipeline(checkpoint, out, sampler, weights, allow_encoder_mismatch)  # type: ignore[arg-type]
     typer.echo(f"exported {result.weights} weights of {result.checkpoint} to {result.out}")
 
 
@@ -145,15 +168,11 @@ def eval_checkpoint(
 ) -> None:
     """The held-out loss of a checkpoint: the numbers training logged as eval/<weights>/loss*."""
     from train.eval.checkpoint import evaluate_checkpoint, write_metrics
-    from train.export.pipeline import ExportError
 
     _setup_logging()
-    try:
-        result = evaluate_checkpoint(checkpoint, weights, overrides or [], size=size)
-        if out:
-            write_metrics(result, out)
-    except (*_user_errors(), ExportError) as err:
-        _fail(err)
+    result = evaluate_checkpoint(checkpoint, weights, overrides or [], size=size)
+    if out:
+        write_metrics(result, out)
     typer.echo(f"{result.checkpoint} (step {result.step}, {result.weights} weights):")
     for name, value in result.metrics.items():
         typer.echo(f"  {name} {value:.6f}")
@@ -183,20 +202,21 @@ def eval_images(
     size: str = typer.Option("", help="HxW px to generate at, e.g. a bucket trained on (default: square)"),
 ) -> None:
     """FID, KID and CLIP score over guidance scales (run under torchrun to split the prompts over GPUs)."""
+    from shared.config import ConfigError
     from train.eval.images import ImageEvalSpec, run_eval_images
 
     _setup_logging()
     try:
         scales = [float(g) for g in guidance.split(",") if g.strip()]
-        spec = ImageEvalSpec(
-            model, prompts_from, reference, inception_weights, clip_model, out, num_images, scales, steps,
-            seed, batch_size, num_reference, cache_dir, size,
-        )  # fmt: skip
-        report = run_eval_images(spec)
-    except ValueError as err:  # ConfigError and a malformed --guidance
-        _fail(err)
-    except _user_errors() as err:
-        _fail(err)
+    except ValueError as err:
+        raise ConfigError(
+            f"--guidance must be comma-separated numbers, e.g. 1.5,4,8; got {guidance!r}"
+        ) from err
+    spec = ImageEvalSpec(
+        model, prompts_from, reference, inception_weights, clip_model, out, num_images, scales, steps,
+        seed, batch_size, num_reference, cache_dir, size,
+    )  # fmt: skip
+    report = run_eval_images(spec)
     if report is not None:
         for scale, values in report["guidance"].items():
             typer.echo(f"guidance {scale}: " + ", ".join(f"{k} {v:.4f}" for k, v in values.items()))
@@ -226,6 +246,7 @@ def _register_light_commands() -> None:
 
 
 _register_light_commands()
+guard_commands(app, classify)
 
 if __name__ == "__main__":
-    app()
+    main(app, "python -m train")

@@ -23,7 +23,7 @@ from shared.encoders import TOKENS, EncoderIdentity
 from shared.models import TextEncoder, build_text_encoder, build_vae, weights_fingerprint
 from shared.norms import use_low_precision_norms
 from shared.presets import Preset, get_preset
-from shared.runtime import autocast, pick_torch_device
+from shared.runtime.device import autocast, pick_torch_device
 
 
 def tokenizer_fingerprint(text: TextEncoder) -> str:
@@ -72,7 +72,7 @@ class Encoders:
         return contract.Shapes(self.preset.latent_shape(resolution), self.preset.text_shape(), store)
 
     def _autocast(self) -> Any:
-        return autocast(self.device, self.precision)  # CPU: fp32 (shared/runtime.py says why)
+        return autocast(self.device, self.precision)  # CPU: fp32 (shared/runtime/device.py says why)
 
     def encode_text(self, captions: Sequence[str], store: str = "embeddings") -> np.ndarray:
         """What text.store keeps per caption: embeddings [B, L, D] float32, or token ids [B, L] uint16."""

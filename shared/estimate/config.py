@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from shared.config import load_config
+from shared.config.values import allowed
 from shared.estimate.gpus import (
     DEFAULT_CONFIG,
     DEFAULT_OUT_DIR,
@@ -27,14 +28,9 @@ from shared.estimate.gpus import (
 class PhaseConfig:
     """One stretch of the schedule at one resolution."""
 
-    resolution: int  # px; needs a throughput for this resolution
-    samples: int  # training samples seen in this phase (steps x global batch)
+    resolution: int = allowed(ge=1)  # px; needs a throughput for this resolution
+    samples: int = allowed(ge=1)  # training samples seen in this phase (steps x global batch)
     name: str = ""  # label in the outputs; "" -> phase<i>-<resolution>
-
-    def __post_init__(self) -> None:
-        _require(self.resolution > 0, f"schedule: resolution must be > 0 px, got {self.resolution}")
-        where = f"schedule ({self.resolution} px)"
-        _require(self.samples > 0, f"{where}: samples must be > 0, got {self.samples}")
 
 
 def _sd2_schedule() -> list[PhaseConfig]:
@@ -52,7 +48,7 @@ class GpuConfig:
 @dataclass
 class ThroughputConfig:
     # Training images/s per GPU by resolution (px), measured on scaling.reference_gpus GPUs.
-    per_gpu: dict[str, float] = field(default_factory=dict)
+    per_gpu: dict[str, float] = allowed(default_factory=dict, gt=0)
     # GPU type the numbers were measured on; "" -> gpu.type. Planning another type adds a warning.
     measured_on: str = ""
     # Planning another GPU type: multiply by the ratio of peak bf16 TFLOP/s. Optimistic (an upper bound):
@@ -69,20 +65,15 @@ class ThroughputConfig:
 class ScalingConfig:
     # log2: `efficiency` is kept per doubling beyond reference_gpus; constant: kept at any N > reference.
     model: ScalingModel = "log2"
-    efficiency: float = 1.0  # 1.0 = perfect linear scaling
-    reference_gpus: int = 8  # GPU count the per-GPU throughput was measured on
+    efficiency: float = allowed(1.0, gt=0, le=1)  # 1.0 = perfect linear scaling
+    reference_gpus: int = allowed(8, ge=1)  # GPU count the per-GPU throughput was measured on
     # Per-resolution override of `efficiency` (small 256 px steps lose more to communication than 512 px).
-    per_resolution: dict[str, float] = field(default_factory=dict)
+    per_resolution: dict[str, float] = allowed(default_factory=dict, gt=0, le=1)
     # Fraction of wall-clock time spent in training steps (checkpoints, evals, restarts take the rest).
-    goodput: float = 1.0
+    goodput: float = allowed(1.0, gt=0, le=1)
 
     def __post_init__(self) -> None:
         _check_by_resolution(self.per_resolution, "scaling.per_resolution")
-        for key, value in {"": self.efficiency, **self.per_resolution}.items():
-            name = f"scaling.per_resolution.{key}" if key else "scaling.efficiency"
-            _require(0 < value <= 1, f"{name} must be in (0, 1] (1 = linear scaling), got {value}")
-        _require(self.reference_gpus >= 1, f"scaling.reference_gpus must be >= 1, got {self.reference_gpus}")
-        _require(0 < self.goodput <= 1, f"scaling.goodput must be in (0, 1], got {self.goodput}")
 
     def efficiency_for(self, resolution: int) -> float:
         return self.per_resolution.get(str(resolution), self.efficiency)
@@ -94,11 +85,6 @@ class PricingConfig:
     # USD per GPU-hour; None -> GPU_TABLE's list price for the GPU type.
     on_demand_per_gpu_hour: float | None = None
     reserved_per_gpu_hour: float | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("on_demand_per_gpu_hour", "reserved_per_gpu_hour"):
-            value = getattr(self, name)
-            _require(value is None or value >= 0, f"pricing.{name} must be >= 0, got {value}")
 
     def per_gpu_hour(self, gpu_type: str) -> float:
         spec = GPU_TABLE[gpu_type]
@@ -113,16 +99,11 @@ class PricingConfig:
 class EncodeCostConfig:
     samples: int = 0  # source samples the encode job reads (dataset size); 0 = leave encode out
     images_per_s_per_gpu: float = 0.0  # source images encoded per s per GPU, every resolution included
-    gpus: int = 8  # encoder GPUs (sets encode days; GPU-hours do not depend on it)
+    gpus: int = allowed(8, ge=1)  # encoder GPUs (sets encode days; GPU-hours do not depend on it)
     gpu_type: str = ""  # "" -> gpu.type
     price_per_gpu_hour: float | None = None  # None -> pricing.mode's price for gpu_type
 
     def __post_init__(self) -> None:
-        _require(self.samples >= 0, f"encode.samples must be >= 0, got {self.samples}")
-        _require(self.images_per_s_per_gpu >= 0, "encode.images_per_s_per_gpu must be >= 0")
-        _require(self.gpus >= 1, f"encode.gpus must be >= 1, got {self.gpus}")
-        p = self.price_per_gpu_hour
-        _require(p is None or p >= 0, f"encode.price_per_gpu_hour must be >= 0, got {p}")
         if self.gpu_type:
             self.gpu_type = canonical_gpu_type(self.gpu_type)
 
@@ -132,7 +113,7 @@ class StorageConfig:
     # An encode output root or its manifest.json (local or s3://): bytes/sample and kept share per
     # resolution are read from it and replace bytes_per_sample; "" = use bytes_per_sample.
     manifest: str = ""
-    bytes_per_sample: dict[str, float] = field(default_factory=dict)  # by resolution (px)
+    bytes_per_sample: dict[str, float] = allowed(default_factory=dict, gt=0)  # by resolution (px)
     # Samples kept per resolution; empty -> encode.samples times the manifest's kept share (or all of them).
     samples: dict[str, int] = field(default_factory=dict)
     price_per_gib_month: float = 0.023  # AWS S3 Standard, first 50 TB/month, us-east-1
@@ -141,8 +122,6 @@ class StorageConfig:
     def __post_init__(self) -> None:
         _check_by_resolution(self.bytes_per_sample, "storage.bytes_per_sample")
         _check_by_resolution(self.samples, "storage.samples", allow_zero=True)
-        for name in ("price_per_gib_month", "months"):
-            _require(getattr(self, name) >= 0, f"storage.{name} must be >= 0, got {getattr(self, name)}")
 
 
 TEXT_MODES = ("embeddings", "tokens")  # text.store (shared/estimate/text_store.py prices both)
@@ -153,22 +132,19 @@ class TextCostConfig:
     """What a sample's text costs in each mode (defaults: SD2-base, OpenCLIP ViT-H/14 text tower)."""
 
     # 77 x 1024 float16 (shared/contract.py TEXT_EMBEDDING) and 77 x uint16 (TEXT_TOKENS).
-    embedding_bytes: int = 157_696
-    token_bytes: int = 154
+    embedding_bytes: int = allowed(157_696, ge=1)
+    token_bytes: int = allowed(154, ge=1)
     # The mode storage.bytes_per_sample was measured in; a storage.manifest replaces it with its own.
     measured_store: str = "embeddings"
     # Text tower forward per sample: 23 blocks (penultimate layer) x 77 tokens x ~12 x 1024^2 x 2 FLOP plus
     # attention ~ 45 GFLOP (torch.utils.flop_counter at SD2 shapes).
     tower_gflop_per_sample: float = 45.0
     # U-Net train step (forward + backward) per sample by resolution (NOTES: 543 / 2,413 GFLOP at SD2).
-    unet_step_gflop: dict[str, float] = field(default_factory=lambda: {"256": 543.0, "512": 2413.0})
-    gpus_per_node: int = 8
+    unet_step_gflop: dict[str, float] = allowed(default_factory=lambda: {"256": 543.0, "512": 2413.0}, gt=0)
+    gpus_per_node: int = allowed(8, ge=1)
 
     def __post_init__(self) -> None:
         _require(self.measured_store in TEXT_MODES, f"text.measured_store must be one of {list(TEXT_MODES)}")
-        _require(self.embedding_bytes > 0 and self.token_bytes > 0, "text.*_bytes must be > 0")
-        _require(self.tower_gflop_per_sample >= 0, "text.tower_gflop_per_sample must be >= 0")
-        _require(self.gpus_per_node >= 1, "text.gpus_per_node must be >= 1")
         _check_by_resolution(self.unet_step_gflop, "text.unet_step_gflop")
 
     def text_bytes(self, mode: str) -> int:
@@ -179,7 +155,7 @@ class TextCostConfig:
 class EstimateConfig:
     """Everything `make estimate` needs; `jobs/estimate/sd2-base.yaml` documents the defaults' sources."""
 
-    gpus: int = 128  # training GPU count
+    gpus: int = allowed(128, ge=1)  # training GPU count
     gpu: GpuConfig = field(default_factory=GpuConfig)
     schedule: list[PhaseConfig] = field(default_factory=_sd2_schedule)
     throughput: ThroughputConfig = field(default_factory=ThroughputConfig)
@@ -189,13 +165,12 @@ class EstimateConfig:
     encode: EncodeCostConfig = field(default_factory=EncodeCostConfig)
     storage: StorageConfig = field(default_factory=StorageConfig)
     text: TextCostConfig = field(default_factory=TextCostConfig)  # text.store: embeddings vs tokens
-    sweep: list[int] = field(default_factory=lambda: list(DEFAULT_SWEEP))  # GPU counts for the plot
+    # GPU counts for the plot
+    sweep: list[int] = allowed(default_factory=lambda: list(DEFAULT_SWEEP), ge=1)
     out_dir: str = DEFAULT_OUT_DIR
 
     def __post_init__(self) -> None:
-        _require(self.gpus >= 1, f"gpus must be >= 1, got {self.gpus}")
         _require(bool(self.schedule), "schedule is empty; list at least one {resolution, samples} phase")
-        _require(all(n >= 1 for n in self.sweep), f"sweep GPU counts must be >= 1, got {self.sweep}")
         for i, phase in enumerate(self.schedule, 1):
             phase.name = phase.name or f"phase{i}-{phase.resolution}"
 

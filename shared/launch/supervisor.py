@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shared.launch import control
+from shared.runtime.exits import torchrun_argv
 
 STACK_TIMEOUT_S = 30  # py-spy reads a process's memory; a few seconds even for a large one
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
@@ -222,7 +223,8 @@ class Supervisor:
         env = {**self.env, control.CONTROL_DIR_ENV: str(self.folder)}
         if self.deadline is not None:
             env[control.DEADLINE_ENV] = f"{self.deadline:.3f}"
-        self.proc = subprocess.Popen(self.argv, env=env, start_new_session=True)
+        # torchrun through shared/runtime/exits.py: no traceback box when the ranks stopped on purpose.
+        self.proc = subprocess.Popen(torchrun_argv(self.argv), env=env, start_new_session=True)
         hung = None
         while self.proc.poll() is None and hung is None:
             time.sleep(self.supervision.poll_s)

@@ -146,9 +146,12 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def _weed_env() -> dict[str, str]:
-    """The server's environment, without the caller's AWS settings (weed treats AWS_* keys as admins)."""
-    return {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+def _weed_env(workdir: Path) -> dict[str, str]:
+    """The server's environment, without the caller's AWS settings (weed treats AWS_* keys as admins), with
+    TMPDIR in `workdir`: weed writes its glog files (weed.INFO, weed.<host>.log.*) into the temp folder and
+    never removes them."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    return {**env, "TMPDIR": str(workdir)}
 
 
 def log_tail(log_path: Path, lines: int = LOG_TAIL_LINES) -> str:
@@ -229,7 +232,7 @@ def spawn_weed(binary: Path, workdir: Path, ports: dict[str, int]) -> subprocess
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env=_weed_env(),
+            env=_weed_env(workdir),
             preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
         )
 

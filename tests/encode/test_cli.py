@@ -38,8 +38,12 @@ def done_markers(out: Path) -> list[Path]:
 
 
 def kill_after_first_partition(cmd: list[str], out: Path) -> int:
-    """Start the job, SIGKILL it the moment its first partition is published; return markers seen then."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    """Start the job, SIGKILL it the moment its first partition is published; return markers seen then.
+    Its temp folder is under `out`: a killed process leaves what it would remove at exit (torch's import-time
+    TemporaryDirectory), and this test owns that, not the suite's temp folder."""
+    (out.parent / "tmp").mkdir(exist_ok=True)
+    env = {**os.environ, "TMPDIR": str(out.parent / "tmp")}
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
     deadline = time.monotonic() + START_TIMEOUT_S
     while not done_markers(out):
         if proc.poll() is not None:

@@ -321,7 +321,7 @@ def test_estimate_for_plan_summary() -> None:
         ("encode.gpus=0", "encode.gpus must be >= 1"),
         ("storage.months=-1", "storage.months must be >= 0"),
         ("pricing.mode=spot", "must be one of"),
-        ("schedule=[{resolution: 256, samples: -5}]", "samples must be > 0"),
+        ("schedule=[{resolution: 256, samples: -5}]", r"schedule\[0\].samples must be >= 1, got -5"),
         ("gpu.type=V100", "unknown GPU type 'V100'; known: A100-40GB, A100-80GB, H100, H200"),
         ("nonsense=1", "unknown key"),
     ],

@@ -1,5 +1,5 @@
-"""shared/stack.py: what `make wheelhouse` and `make install TORCH=system` take from the lock, the tested
-range they check, and that the Makefile, pyproject and the lock agree with it."""
+"""shared/runtime/stack.py: what `make wheelhouse` and `make install TORCH=system` take from the lock, the
+tested range they check, and that the Makefile, pyproject and the lock agree with it."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 import tomllib
 from pathlib import Path
 
-from shared.stack import (
+from shared.runtime.stack import (
     TESTED_PYTHON,
     TESTED_TORCH,
     lock_without_torch,
@@ -57,7 +57,7 @@ def test_the_makefile_pyproject_and_lock_agree_with_the_tested_range() -> None:
 
 def test_an_interpreter_without_torch_is_refused_naming_the_fix() -> None:
     # -S: no site-packages, so no torch; what `make install TORCH=system PYTHON=<a python without torch>` sees
-    cmd = [sys.executable, "-S", "-m", "shared.stack", "check"]
+    cmd = [sys.executable, "-S", "-m", "shared.runtime.stack", "check"]
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=60)
     assert done.returncode == 1
     assert "no torch/torchvision to keep" in done.stderr and "without TORCH=system" in done.stderr

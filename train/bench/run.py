@@ -19,7 +19,7 @@ from encode.vae_speed import vae_speed
 from shared.config import ConfigError, config_to_dict, load_config
 from shared.estimate import GPU_TABLE, gpu_type_for_device
 from shared.presets import get_preset
-from shared.runtime import DeviceSetup, resolve_device_setup
+from shared.runtime.device import DeviceSetup, resolve_device_setup
 from train.bench.anatomy.section import bench_anatomy, bench_variants
 from train.bench.config import BenchConfig
 from train.bench.data import (

@@ -42,7 +42,7 @@ from shared.batching import derive_batching
 from shared.config import load_config
 from shared.estimate.cluster import DTYPE_BYTES, PRESET_PARAMS, step_comm
 from shared.presets import get_preset
-from shared.runtime import resolve_precision
+from shared.runtime.device import resolve_precision
 from train.bench.ckpt import bytes_written_by_rank, composer_state, init_gloo, save_with_composer, trained_net
 from train.config import TrainConfig
 from train.ema.algorithm import build_ema

@@ -29,7 +29,7 @@ from composer.loggers import Logger
 from shared import storage
 from shared.config import load_config
 from shared.presets import get_preset
-from shared.runtime import resolve_device_setup
+from shared.runtime.device import resolve_device_setup
 from shared.storage.s3_server import find_weed_binary, pointed_at, run_seaweedfs
 from train.bench.data import write_synthetic_dataset
 from train.bench.trainer_run import trainer_config

@@ -29,7 +29,7 @@ import torch
 from shared.contract import LATENT_LOGVAR, LATENT_MEAN, TEXT_EMBEDDING
 from shared.models import build_text_encoder, build_unet, build_vae
 from shared.presets import Preset, get_preset, random_init
-from shared.runtime import DeviceSetup
+from shared.runtime.device import DeviceSetup
 from train.bench.config import StepBenchConfig
 from train.config import TrainConfig
 from train.data.draws import SAMPLE_SEED

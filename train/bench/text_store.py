@@ -19,7 +19,7 @@ import torch
 from shared.contract import TEXT_EMBEDDING, TEXT_TOKENS
 from shared.models import build_text_encoder
 from shared.presets import get_preset, random_init
-from shared.runtime import DeviceSetup
+from shared.runtime.device import DeviceSetup
 from train.bench.config import StepBenchConfig
 from train.bench.step import FlopCounts, StepBench, synthetic_latent_batch, time_interleaved, train_step
 from train.config import TrainConfig

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from shared.runtime import DeviceSetup
+from shared.runtime.device import DeviceSetup
 from train.bench.step import train_step
 from train.bench.syncs import Readbacks, count_readbacks, step_tracker
 from train.config import TrainConfig

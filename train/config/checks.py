@@ -7,6 +7,7 @@ import re
 from typing import Literal
 
 from shared.config import ConfigError
+from shared.config.values import Check
 
 # Composer time strings this job accepts: an integer count of a unit, or a fraction of the whole run.
 _TIME_STRING = re.compile(r"^(\d+(ep|ba|sp|tok)|\d*\.?\d+dur)$")
@@ -30,11 +31,31 @@ def check_time_string(value: str, key: str, units: tuple[str, ...] | None = None
     text = str(value).strip()
     if not _TIME_STRING.match(text):
         raise ConfigError(
-            f"{key}={value!r} is not a Composer time string; use e.g. 20ba, 1ep, 10000sp or 0.5dur"
+            f"{key} must be a Composer time string (e.g. 20ba, 1ep, 10000sp or 0.5dur), got {value!r}"
         )
     if units and not any(text.endswith(u) for u in units):
-        raise ConfigError(f"{key}={value!r} must be in one of the units {list(units)} (e.g. 100ba)")
+        raise ConfigError(
+            f"{key} must be in one of the units {list(units)} (e.g. 100{units[0]}), got {value!r}"
+        )
     return text
+
+
+def time_string(*units: str, at_least: int = 0) -> Check:
+    """A field's `allowed(check=...)`: a Composer time string, in `units` when given, counting >= at_least."""
+
+    def check(value: str, key: str) -> str:
+        text = check_time_string(value, key, units or None)
+        if at_least and time_count(text) < at_least:
+            raise ConfigError(f"{key} must be at least {at_least}{units[0]}, got {value!r}")
+        return text
+
+    return check
+
+
+def wall_time(value: str, key: str) -> str:
+    """A field's `allowed(check=...)`: a wall-clock duration such as 90m (see wall_time_seconds)."""
+    wall_time_seconds(value, key)
+    return str(value).strip()
 
 
 def time_count(value: str) -> int:
@@ -53,5 +74,5 @@ def wall_time_seconds(value: str, key: str) -> float:
     """`90m`, `11.5h`, `2d` -> seconds."""
     match = _WALL_TIME.match(str(value).strip())
     if not match:
-        raise ConfigError(f"{key}={value!r} is not a duration; use e.g. 3600s, 90m, 11.5h or 2d")
+        raise ConfigError(f"{key} must be a duration such as 3600s, 90m, 11.5h or 2d, got {value!r}")
     return float(match.group(1)) * _WALL_TIME_UNITS[match.group(3)]

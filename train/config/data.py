@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from shared.config import ConfigError
+from shared.config.values import allowed
 from train.config.checks import BatchingMethod
 
 
@@ -23,9 +24,9 @@ class StreamConfig:
     # (the shares are normalised over the mix); repeat: this many passes over the stream per epoch (2.0:
     # each sample twice, 0.5: half of them); choose: exactly this many of its samples per epoch. A mix uses
     # relative weights (proportion) or absolute ones (repeat / choose), never both; no weight: its size.
-    proportion: float | None = None
-    repeat: float | None = None
-    choose: int | None = None
+    proportion: float | None = allowed(None, gt=0)
+    repeat: float | None = allowed(None, gt=0)
+    choose: int | None = allowed(None, ge=1)
 
     def __post_init__(self) -> None:
         name, weights = self.resolved_name() or "#?", [w for w in self._weights() if w[1] is not None]
@@ -35,8 +36,6 @@ class StreamConfig:
             raise ConfigError(
                 f"data.streams: stream {name} sets {' and '.join(k for k, _ in weights)}; give one"
             )
-        if weights and weights[0][1] <= 0:  # type: ignore[operator]
-            raise ConfigError(f"data.streams: stream {name} has {weights[0][0]} <= 0; use a positive value")
 
     def _weights(self) -> list[tuple[str, float | int | None]]:
         return [("proportion", self.proportion), ("repeat", self.repeat), ("choose", self.choose)]
@@ -87,9 +86,9 @@ class DataConfig:
     # device_per_stream (each device batch from one stream).
     batching_method: BatchingMethod = "random"
     # Samples per epoch of a proportion mix (Streaming's epoch_size); None: the streams' total size.
-    epoch_size: int | None = None
+    epoch_size: int | None = allowed(None, ge=1)
     # Which of the dataset's resolutions this phase trains on (256 for SD2 phase 1, 512 for phase 2).
-    resolution: int = 256
+    resolution: int = allowed(256, ge=1)
     # Dataset version id to pin (versions/<vid>/ in the encode output); None: the current one at start.
     version: str | None = None
     # Local cache root for downloaded shards; each (dataset root, version, resolution) gets its own folder
@@ -100,16 +99,16 @@ class DataConfig:
     allow_dataset_change: bool = False
     shuffle: bool = True
     shuffle_algo: Literal["py1e", "py1br", "py1b", "py1s", "py2s", "naive"] = "py1e"
-    shuffle_seed: int | None = None  # None: the run's `seed`
-    shuffle_block_size: int | None = None  # None: Streaming's default for shuffle_algo
+    shuffle_seed: int | None = allowed(None, ge=0, lt=2**32)  # None: the run's `seed`
+    shuffle_block_size: int | None = allowed(None, ge=1)  # None: Streaming's default for shuffle_algo
     # Fixes the sample order independently of the GPU count, so a run resumed on a different number of
     # nodes sees the same order. None: the number of physical nodes at the first start.
-    num_canonical_nodes: int | None = None
+    num_canonical_nodes: int | None = allowed(None, ge=1)
     predownload: int | None = None  # samples to download ahead per worker; None: Streaming's default
     cache_limit: str | None = None  # e.g. "200gb": evict the coldest shards above this; None: keep all
-    download_timeout: float = 120.0  # seconds per shard
+    download_timeout: float = allowed(120.0, gt=0)  # seconds per shard
     num_workers: int = 8  # dataloader worker processes per rank
-    prefetch_factor: int = 2  # batches each worker loads ahead (only with num_workers > 0)
+    prefetch_factor: int = allowed(2, ge=1)  # batches each worker loads ahead (only with num_workers > 0)
 
     def __post_init__(self) -> None:
         if self.uri and self.streams:
@@ -119,8 +118,6 @@ class DataConfig:
             )
         if self.streams:
             check_streams(self.streams, self.epoch_size)
-        if self.epoch_size is not None and self.epoch_size < 1:
-            raise ConfigError(f"data.epoch_size must be >= 1 or null, got {self.epoch_size}")
 
     def is_mix(self) -> bool:
         return bool(self.streams)

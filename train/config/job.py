@@ -7,14 +7,15 @@ from typing import Literal
 
 from shared import storage
 from shared.config import ConfigError
+from shared.config.values import allowed
 from shared.manifest import fingerprint
 from shared.presets import get_preset
 from train.config.checks import (
     _INTERVAL_UNITS,
     Device,
     Precision,
-    check_time_string,
     time_count,
+    time_string,
 )
 from train.config.data import DataConfig
 from train.config.sections import (
@@ -34,7 +35,7 @@ class TrainConfig:
     name: str = "train"
     # A stable id for autoresume; "": <name>-<hash of save_folder>, so rerunning the same command finds it.
     run_name: str = ""
-    seed: int = 17
+    seed: int = allowed(17, ge=0, lt=2**32)  # Composer seeds every RNG with it (0 .. 2^32 - 1)
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
@@ -43,9 +44,9 @@ class TrainConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     log: LogConfig = field(default_factory=LogConfig)
     resilience: ResilienceConfig = field(default_factory=ResilienceConfig)
-    global_batch_size: int = 2048
-    device_microbatch_size: int = 4
-    max_duration: str = "1ep"
+    global_batch_size: int = allowed(2048, ge=1)
+    device_microbatch_size: int = allowed(4, ge=1)
+    max_duration: str = allowed("1ep", check=time_string())
     device: Device = "auto"
     precision: Precision = "auto"  # auto: amp_bf16 on GPU, fp32 on CPU
     # Shard with FSDP (Composer's FSDP, use_orig_params). GPUs in production; on CPU ranks (gloo) it runs
@@ -86,14 +87,14 @@ class TrainConfig:
     # those only under FSDP. auto: sharded when fsdp=true on more than one rank, else full. Either format
     # resumes on any rank count, and a run resuming the other format converts it once at start.
     checkpoint_format: Literal["auto", "full", "sharded"] = "auto"
-    save_interval: str = "2500ba"
+    save_interval: str = allowed("2500ba", check=time_string(*_INTERVAL_UNITS))
     # Also save when this many minutes passed since the last save (whichever comes first); null: batches only.
     # Bounds the work an interruption loses in minutes whatever the step time.
-    save_interval_minutes: float | None = None
-    save_num_checkpoints_to_keep: int = -1  # local copies kept (-1: all)
+    save_interval_minutes: float | None = allowed(None, gt=0)
+    save_num_checkpoints_to_keep: int = allowed(-1, ge=1, special={-1: "all"})  # local copies kept
     # Checkpoints kept in an s3:// save_folder (-1: all). Composer never deletes remote checkpoints; an
     # SD2-base checkpoint with EMA and AdamW state is ~14 GB, so a long run keeps a few.
-    save_num_remote_checkpoints_to_keep: int = -1
+    save_num_remote_checkpoints_to_keep: int = allowed(-1, ge=1, special={-1: "all"})
     # Continue from the latest checkpoint in save_folder when there is one (else start / load load_path).
     autoresume: bool = True
     # A checkpoint file or a save folder (-> its latest) to start from when there is nothing to autoresume.
@@ -104,22 +105,11 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         self._check_model()
-        self._check_times()
-        self._check_batching()
         check_eval(self.eval, self.model.num_train_timesteps)
         if not self.save_folder:
             raise ConfigError("save_folder is empty: set it in the train YAML or pass save_folder=...")
         if self.load_weights_only and not self.load_path:
             raise ConfigError("load_weights_only=true needs load_path=<checkpoint file or save folder>")
-        if self.save_interval_minutes is not None and self.save_interval_minutes <= 0:
-            raise ConfigError(
-                f"save_interval_minutes must be > 0 (or null), got {self.save_interval_minutes}"
-            )
-        if self.save_num_remote_checkpoints_to_keep == 0 or self.save_num_remote_checkpoints_to_keep < -1:
-            raise ConfigError(
-                "save_num_remote_checkpoints_to_keep must be >= 1 (the newest checkpoints kept) or -1 (all), "
-                f"got {self.save_num_remote_checkpoints_to_keep}"
-            )
         if self.checkpoint_format == "sharded" and not self.fsdp:
             raise ConfigError(
                 "checkpoint_format=sharded needs fsdp=true (Composer writes sharded checkpoints only under "
@@ -139,39 +129,14 @@ class TrainConfig:
                 "model.zero_terminal_snr=true gives the last timestep zero signal, which epsilon prediction "
                 "cannot learn; set model.prediction_type=v_prediction"
             )
-        if not 0.0 <= model.caption_dropout < 1.0:
-            raise ConfigError(f"model.caption_dropout must be in [0, 1), got {model.caption_dropout}")
-        if model.min_snr_gamma is not None and model.min_snr_gamma <= 0:
+        if model.beta_start >= model.beta_end:
             raise ConfigError(
-                f"model.min_snr_gamma must be > 0 (e.g. 5.0) or null, got {model.min_snr_gamma}"
+                f"model.beta_start ({model.beta_start}) must be below model.beta_end ({model.beta_end})"
             )
-        if not 0.0 < self.ema.smoothing < 1.0:
-            raise ConfigError(f"ema.smoothing must be in (0, 1), e.g. 0.9999; got {self.ema.smoothing}")
-
-    def _check_times(self) -> None:
-        self.max_duration = check_time_string(self.max_duration, "max_duration")
-        self.save_interval = check_time_string(self.save_interval, "save_interval", _INTERVAL_UNITS)
-        self.optimizer.warmup = check_time_string(self.optimizer.warmup, "optimizer.warmup")
-        self.ema.start = check_time_string(self.ema.start, "ema.start", ("ba", "ep", "dur"))
-        self.ema.update_interval = check_time_string(self.ema.update_interval, "ema.update_interval", ("ba",))
-        self.samples.interval = check_time_string(self.samples.interval, "samples.interval", _INTERVAL_UNITS)
-        self.log.console_interval = check_time_string(
-            self.log.console_interval, "log.console_interval", ("ba",)
-        )
-        if time_count(self.ema.update_interval) < 1:
-            raise ConfigError("ema.update_interval must be at least 1ba")
 
     def eval_batch_size(self) -> int:
         """(sample, timestep) pairs per eval forward on each rank."""
         return self.eval.batch_size or self.device_microbatch_size
-
-    def _check_batching(self) -> None:
-        if self.global_batch_size < 1 or self.device_microbatch_size < 1:
-            raise ConfigError("global_batch_size and device_microbatch_size must be >= 1")
-        if self.data.num_workers < 0:
-            raise ConfigError("data.num_workers must be >= 0")
-        if self.log.speed_window < 1:
-            raise ConfigError("log.speed_window must be >= 1 (batches averaged for images/s)")
 
     # ------------------------------------------------------------------------------------ derived values
     def resolved_run_name(self) -> str:

@@ -6,12 +6,14 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from shared.config import ConfigError
+from shared.config.values import allowed
 from train.config.checks import (
     _INTERVAL_UNITS,
     SD2_PROMPTS,
     PredictionType,
     SamplerKind,
-    check_time_string,
+    time_string,
+    wall_time,
     wall_time_seconds,
 )
 
@@ -24,20 +26,20 @@ class ModelConfig:
     init_from: str | None = None
     prediction_type: PredictionType = "epsilon"
     # DDPM noise schedule (SD2: 1000 steps, scaled_linear betas 0.00085 -> 0.012).
-    num_train_timesteps: int = 1000
-    beta_start: float = 0.00085
-    beta_end: float = 0.012
+    num_train_timesteps: int = allowed(1000, ge=1)
+    beta_start: float = allowed(0.00085, gt=0, lt=1)
+    beta_end: float = allowed(0.012, gt=0, lt=1)
     beta_schedule: Literal["scaled_linear", "linear"] = "scaled_linear"
     # Rescale betas so the last timestep is pure noise (Lin et al. 2023); needs v_prediction.
     zero_terminal_snr: bool = False
     # Offset noise strength (per-channel constant noise added to the Gaussian noise); 0: off.
-    offset_noise: float = 0.0
+    offset_noise: float = allowed(0.0, ge=0)
     # Min-SNR-gamma loss weighting (Hang et al. 2023), e.g. 5.0; None: plain MSE.
-    min_snr_gamma: float | None = None
+    min_snr_gamma: float | None = allowed(None, gt=0)
     # Probability of training a sample on the empty-caption embedding (for classifier-free guidance).
-    caption_dropout: float = 0.1
+    caption_dropout: float = allowed(0.1, ge=0, lt=1)
     # VAE latent scale factor; None: the dataset manifest's (set only to assert a value).
-    scale_factor: float | None = None
+    scale_factor: float | None = allowed(None, gt=0)
     gradient_checkpointing: bool = False
     # GroupNorm and LayerNorm in the autocast dtype (bf16) instead of autocast's fp32 (shared/norms.py):
     # half their bytes, and one dtype for inductor to fuse each norm with its SiLU. Only acts under autocast
@@ -51,13 +53,13 @@ class ModelConfig:
 @dataclass
 class OptimizerConfig:
     # torch.optim.AdamW (weight decay applied as lr * weight_decay * w, as in the SD2 recipe).
-    lr: float = 1.0e-4
-    weight_decay: float = 0.01
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1.0e-8
-    warmup: str = "10000ba"  # linear warmup from 0 to lr
+    lr: float = allowed(1.0e-4, gt=0)
+    weight_decay: float = allowed(0.01, ge=0)
+    betas: tuple[float, float] = allowed((0.9, 0.999), ge=0, lt=1)
+    eps: float = allowed(1.0e-8, gt=0)
+    warmup: str = allowed("10000ba", check=time_string())  # linear warmup from 0 to lr
     schedule: Literal["constant", "cosine"] = "constant"  # after warmup
-    grad_clip_norm: float | None = 1.0  # None: no clipping
+    grad_clip_norm: float | None = allowed(1.0, gt=0)  # None: no clipping
     # torch's fused AdamW kernel (CPU and CUDA): one pass over every parameter instead of a Python loop of
     # ~10 ops per tensor (tiny CPU U-Net, 208 tensors: 7.0 -> 1.2 ms per step), and gradient clipping's
     # scale is applied inside it, saving a read and write of every gradient. false: torch's default.
@@ -67,12 +69,13 @@ class OptimizerConfig:
 @dataclass
 class EMAConfig:
     enabled: bool = True
-    smoothing: float = 0.9999  # per optimizer step
-    start: str = "0ba"  # when the average starts (Composer time string, batches or epochs)
+    smoothing: float = allowed(0.9999, gt=0, lt=1)  # per optimizer step, e.g. 0.9999
+    # When the average starts (Composer time string, batches or epochs).
+    start: str = allowed("0ba", check=time_string("ba", "ep", "dur"))
     # How often the average is updated. Composer's EMA summons full parameters under FSDP on each update,
     # so FSDP runs may update every N batches; the per-update smoothing is then smoothing**N, which keeps
     # the same half-life in optimizer steps.
-    update_interval: str = "1ba"
+    update_interval: str = allowed("1ba", check=time_string("ba", at_least=1))
 
     def half_life_steps(self) -> float:
         import math
@@ -83,10 +86,11 @@ class EMAConfig:
 @dataclass
 class SamplesConfig:
     enabled: bool = True
-    interval: str = "5000ba"  # render a grid every N batches (and at the end of training)
+    # Render a grid every N batches (and at the end of training).
+    interval: str = allowed("5000ba", check=time_string(*_INTERVAL_UNITS))
     prompts: list[str] = field(default_factory=lambda: list(SD2_PROMPTS))
-    images_per_prompt: int = 2
-    steps: int = 25
+    images_per_prompt: int = allowed(2, ge=1)
+    steps: int = allowed(25, ge=1)
     guidance_scale: float = 7.5
     sampler: SamplerKind = "ddim"
     seed: int = 0  # fixed: the same starting noise every time, so grids are comparable over training
@@ -98,9 +102,10 @@ class EvalConfig:
     # contract and resolution as data.uri) kept out of training; "": no eval.
     uri: str = ""
     version: str | None = None  # dataset version id to pin; None: the current one at start
-    interval: str = "5000ba"  # evaluate every N batches (and at the end of training)
+    # Evaluate every N batches (and at the end of training).
+    interval: str = allowed("5000ba", check=time_string(*_INTERVAL_UNITS))
     # The first num_samples samples of the eval dataset, in stored order, each at every timestep below.
-    num_samples: int = 2048
+    num_samples: int = allowed(2048, ge=1)
     timesteps: list[int] = field(default_factory=lambda: [100, 300, 500, 700, 900])
     # Noise per (seed, sample index, timestep): the same number for the same weights on any rank count.
     seed: int = 0
@@ -110,11 +115,6 @@ class EvalConfig:
 
 def check_eval(cfg: EvalConfig, num_train_timesteps: int) -> None:
     """The eval section's rules (also checked for `train eval` overrides)."""
-    cfg.interval = check_time_string(cfg.interval, "eval.interval", _INTERVAL_UNITS)
-    if cfg.num_samples < 1:
-        raise ConfigError(f"eval.num_samples must be >= 1, got {cfg.num_samples}")
-    if cfg.batch_size < 0:
-        raise ConfigError(f"eval.batch_size must be >= 1 (0: device_microbatch_size), got {cfg.batch_size}")
     steps = list(cfg.timesteps)
     if not steps or len(set(steps)) != len(steps):
         raise ConfigError(f"eval.timesteps must be a non-empty list of distinct timesteps, got {steps}")
@@ -128,9 +128,9 @@ def check_eval(cfg: EvalConfig, num_train_timesteps: int) -> None:
 
 @dataclass
 class LogConfig:
-    console_interval: str = "10ba"
+    console_interval: str = allowed("10ba", check=time_string("ba"))
     # Batches averaged for images/s; Composer's SpeedMonitor logs nothing until this window has filled.
-    speed_window: int = 50
+    speed_window: int = allowed(50, ge=1)
     # Local folder for train.log, metrics.jsonl, samples/ and train_config.yaml. "": the save_folder when it
     # is local; for an s3:// save_folder, <tmp>/sd-pretrain-runs-<uid>/<run_name> (private to this user)
     # mirrored to the save_folder.
@@ -149,27 +149,15 @@ class ResilienceConfig:
     max_restarts: int = 3
     # A rank that completes no step for this long is hung: stacks logged, ranks killed, restart. Must exceed
     # the longest pause between steps (a checkpoint save, a sample grid).
-    hang_timeout_s: float = 600.0
+    hang_timeout_s: float = allowed(600.0, gt=0)
     # Collective timeout from the second step on (the first keeps Composer's 300 s for start-up).
-    collective_timeout_s: float = 120.0
+    collective_timeout_s: float = allowed(120.0, gt=0)
     # Slurm: times the job requeues itself after saving at its time limit or on preemption.
     max_requeues: int = 20
     # Save and exit resumable (code 75) this long after the launch started, e.g. 11.5h; null: no limit.
-    max_wall_time: str | None = None
+    max_wall_time: str | None = allowed(None, check=wall_time)
     # Seconds before a deadline by which the save must start; null: from the plan's estimated save time.
     exit_lead_s: float | None = None
-
-    def __post_init__(self) -> None:
-        for key in ("max_restarts", "max_requeues"):
-            if getattr(self, key) < 0:
-                raise ConfigError(f"resilience.{key} must be >= 0, got {getattr(self, key)}")
-        for key in ("hang_timeout_s", "collective_timeout_s"):
-            if getattr(self, key) <= 0:
-                raise ConfigError(f"resilience.{key} must be > 0 seconds, got {getattr(self, key)}")
-        if self.max_wall_time is not None:
-            wall_time_seconds(self.max_wall_time, "resilience.max_wall_time")
-        if self.exit_lead_s is not None and self.exit_lead_s < 0:
-            raise ConfigError(f"resilience.exit_lead_s must be >= 0 seconds, got {self.exit_lead_s}")
 
     def max_wall_time_s(self) -> float | None:
         return None if self.max_wall_time is None else wall_time_seconds(self.max_wall_time, "max_wall_time")

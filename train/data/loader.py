@@ -290,8 +290,8 @@ def build_dataset(
     stored training columns, their sample seed and their stream. `streams`: Streaming `Stream`s of a
     data.streams mix (train/data/mix.py) or of a bucketed dataset's buckets (train/data/buckets.py), read
     instead of `pinned`, batched by `batching_method` (None: data.batching_method)."""
-    with streaming_prefix_lock():
-        return _new_dataset(cfg, pinned, per_rank_batch, seed, streams, batching_method)
+    with streaming_prefix_lock() as created:
+        return created(_new_dataset(cfg, pinned, per_rank_batch, seed, streams, batching_method))
 
 
 def _new_dataset(

@@ -11,12 +11,14 @@
 
 from __future__ import annotations
 
+import atexit
 import fcntl
 import logging
+import mmap
 import os
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -30,6 +32,7 @@ _PREFIX_LOCK_NAME = "streaming-shm-prefix.lock"
 PREFIX_LOCK_TIMEOUT_S = 600.0  # another job's dataset construction takes seconds; this only breaks a deadlock
 _PREFIX_LOCK_POLL_S = 0.05
 _held_locks: dict[str, int] = {}  # local dir -> open fd holding its flock (released when the process exits)
+LOCKS_REMOVED_AT_EXIT: list[Path] = []  # Streaming file locks of this process's datasets
 
 
 class DataError(ValueError):
@@ -71,17 +74,16 @@ def remove_stale_registrations(local: str) -> int:
     removed = 0
     target = os.path.abspath(local)
     for prefix_int in range(1 << 16):
-        locals_shm = _attach_shm(_get_path(prefix_int, LOCALS))
+        registered = read_shm(_get_path(prefix_int, LOCALS))
         locks = [
             os.path.join(tempfile.gettempdir(), _get_path(prefix_int, n))
             for n in (BARRIER_FILELOCK, CACHE_FILELOCK)
         ]
-        if locals_shm is None:
+        if registered is None:
             if any(os.path.exists(p) for p in locks):
                 continue
             break
-        their_locals, _ = _unpack_locals(bytes(locals_shm.buf))
-        locals_shm.close()
+        their_locals, _ = _unpack_locals(registered)
         if target not in (os.path.abspath(p) for p in their_locals):
             continue
         for name in SHM_TO_CLEAN:
@@ -91,26 +93,41 @@ def remove_stale_registrations(local: str) -> int:
     return removed
 
 
-def _attach_shm(name: str) -> Any:
-    from multiprocessing import shared_memory
+# Other processes' segments are read and unlinked with the POSIX calls themselves, never through
+# multiprocessing.shared_memory.SharedMemory: on Python < 3.13 attaching one registers it with this process's
+# resource tracker, which at exit warns "There appear to be N leaked shared_memory objects" and unlinks it,
+# although another live job owns it (that job's next dataset then reuses its prefix; seen as the warning
+# after every demo and training run, and as Streaming segments left in /dev/shm after the suite).
+def read_shm(name: str) -> bytes | None:
+    """The bytes of the POSIX shared memory `name`, or None when there is none (or it is not ours)."""
+    import _posixshmem
 
     try:
-        return shared_memory.SharedMemory(name=name, create=False)
+        fd = _posixshmem.shm_open(f"/{name}", os.O_RDONLY, mode=0o600)
     except (FileNotFoundError, PermissionError):
         return None
+    try:
+        size = os.fstat(fd).st_size
+        if not size:
+            return b""
+        with mmap.mmap(fd, size, prot=mmap.PROT_READ) as view:
+            return bytes(view)
+    finally:
+        os.close(fd)
 
 
 def _unlink_shm(name: str) -> int:
-    shm = _attach_shm(name)
-    if shm is None:
+    import _posixshmem
+
+    try:
+        _posixshmem.shm_unlink(f"/{name}")
+    except (FileNotFoundError, PermissionError):
         return 0
-    shm.close()
-    shm.unlink()
     return 1
 
 
 @contextmanager
-def streaming_prefix_lock() -> Iterator[None]:
+def streaming_prefix_lock() -> Iterator[Callable[[Any], Any]]:
     """Serialise StreamingDataset construction among this user's processes on this host.
 
     Streaming's `get_shm_prefix` scans for the first free shared-memory prefix, meets the other ranks in a
@@ -119,6 +136,8 @@ def streaming_prefix_lock() -> Iterator[None]:
     torch.distributed every rank waits in a barrier until its leader holds it, so the other local ranks
     scan only while no other job can register. The lock file is per user (a shared one could be held by
     anyone to stall us); jobs of different users on one host are not serialised.
+
+    Yields `created`: pass it each dataset built, so its prefix's file locks go when the process exits.
     """
     import torch.distributed as torch_dist
 
@@ -127,10 +146,35 @@ def streaming_prefix_lock() -> Iterator[None]:
     try:
         if distributed:
             torch_dist.barrier()
-        yield
+        yield remove_file_locks_at_exit
     finally:
         if fd is not None:
             os.close(fd)  # closing the descriptor drops the flock
+
+
+def remove_file_locks_at_exit(dataset: Any) -> Any:
+    """Remove the dataset's two Streaming file locks (<tmp>/<prefix>_barrier_filelock, _cache_filelock) when
+    this process exits; returns the dataset.
+
+    Streaming creates them next to its shared memory and never removes them, and its prefix scan skips every
+    prefix whose lock file exists: each finished run took one prefix for good (one `make test` left 200
+    files in /tmp and pushed new jobs' prefixes past 60). Only the local leader, which created the prefix.
+    """
+    prefix, root = getattr(dataset, "_shm_prefix_int", None), getattr(dataset, "_filelock_root", None)
+    if prefix is None or root is None or int(os.environ.get("LOCAL_RANK", "0")) != 0:
+        return dataset
+    from streaming.base.constant import BARRIER_FILELOCK, CACHE_FILELOCK
+    from streaming.base.shared.prefix import _get_path
+
+    if not LOCKS_REMOVED_AT_EXIT:
+        atexit.register(_remove_file_locks)
+    LOCKS_REMOVED_AT_EXIT.extend(Path(root, _get_path(prefix, n)) for n in (BARRIER_FILELOCK, CACHE_FILELOCK))
+    return dataset
+
+
+def _remove_file_locks() -> None:
+    for path in LOCKS_REMOVED_AT_EXIT:
+        path.unlink(missing_ok=True)
 
 
 def _acquire_prefix_lock() -> int:

@@ -20,7 +20,7 @@ import torch
 from shared import storage
 from shared.config import ConfigError, build_dataclass, load_config
 from shared.presets import get_preset
-from shared.runtime import resolve_device_kind, resolve_precision
+from shared.runtime.device import resolve_device_kind, resolve_precision
 from train.checkpoints.files import fetched_checkpoint, resolve_checkpoint
 from train.checkpoints.sharded import read_full_checkpoint
 from train.config import EvalConfig, ModelConfig, check_eval

@@ -13,8 +13,8 @@ from shared.config import ConfigError
 from shared.contract import ContractError, Expectation, check_compatible
 from shared.manifest import DatasetManifest
 from shared.presets import get_preset
-from shared.runtime import resolve_device_kind
-from shared.runtime import resolve_precision as resolve_job_precision
+from shared.runtime.device import resolve_device_kind
+from shared.runtime.device import resolve_precision as resolve_job_precision
 from shared.storage import private_temp_dir
 from train.checkpoints.files import find_latest_checkpoint, resolve_checkpoint
 from train.config import TrainConfig, time_count
@@ -69,7 +69,7 @@ def resolve_device(cfg: TrainConfig) -> str:
 
 
 def resolve_precision(cfg: TrainConfig, device: str) -> str:
-    """auto -> amp_bf16 on GPU, fp32 on CPU (shared/runtime.py resolves it for every job)."""
+    """auto -> amp_bf16 on GPU, fp32 on CPU (shared/runtime/device.py resolves it for every job)."""
     return resolve_job_precision(cfg.precision, device)
 
 

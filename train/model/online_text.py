@@ -19,7 +19,7 @@ from shared.contract import TEXT_DTYPE
 from shared.encoders import TOKENS, EncoderIdentity
 from shared.manifest import DatasetManifest
 from shared.models import TextEncoder
-from shared.runtime import autocast
+from shared.runtime.device import autocast
 
 STORED_DTYPE = getattr(torch, TEXT_DTYPE)
 ENCODE_PRECISION = "fp16"  # encode's default encoder.precision, for a manifest that does not record it

@@ -10,7 +10,7 @@ from encode.vae_speed import vae_speed
 from shared.models import build_vae
 from shared.norms import count_low_precision_norms
 from shared.presets import get_preset, random_init
-from shared.runtime import resolve_device_setup
+from shared.runtime.device import resolve_device_setup
 
 
 def tiny_vae() -> torch.nn.Module:

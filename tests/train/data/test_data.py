@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from multiprocessing import shared_memory
+from multiprocessing import resource_tracker, shared_memory
 from pathlib import Path
 
 import pytest
@@ -25,7 +25,7 @@ from train.data.loader import (
     pin_version,
     read_dataset_manifest,
 )
-from train.data.streaming_host import claim_local_dir, remove_stale_registrations
+from train.data.streaming_host import claim_local_dir, read_shm, remove_stale_registrations
 
 
 @pytest.fixture(scope="module")
@@ -121,15 +121,10 @@ def test_stale_registration_of_our_folder_is_removed(tmp_path: Path) -> None:
         except FileExistsError:
             prefix += 1
     shm.buf[: len(data)] = data
-    shm.close()  # left behind, like a run killed with SIGKILL
+    shm.close()  # left behind, like a run killed with SIGKILL: no longer this process's to unlink at exit
+    resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
     assert remove_stale_registrations(local) >= 1
     # The name may already be another job's again (a suite running beside this one): then it must be
     # that job's registration, not ours.
-    try:
-        again = shared_memory.SharedMemory(name=_get_path(prefix, LOCALS))
-    except FileNotFoundError:
-        return
-    try:
-        assert local not in _unpack_locals(bytes(again.buf))[0]
-    finally:
-        again.close()
+    again = read_shm(_get_path(prefix, LOCALS))
+    assert again is None or local not in _unpack_locals(again)[0]

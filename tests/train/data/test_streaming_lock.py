@@ -14,7 +14,6 @@ from __future__ import annotations
 import atexit
 import multiprocessing as mp
 import os
-from multiprocessing import shared_memory
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +21,7 @@ import pytest
 
 from train.config import DataConfig
 from train.data.loader import PinnedData, build_dataset, pin_version, read_dataset_manifest
+from train.data.streaming_host import read_shm
 
 PROCESSES = 8
 JOIN_TIMEOUT_S = 60.0
@@ -53,14 +53,10 @@ def registrations_of(local: str) -> list[str]:
     found = []
     for prefix in range(MAX_PREFIXES_SCANNED):
         name = _get_path(prefix, LOCALS)
-        if not os.path.exists(f"/dev/shm/{name}"):
+        registered = read_shm(name)  # not SharedMemory: attaching would make this process unlink it at exit
+        if registered is None:
             continue
-        try:
-            shm = shared_memory.SharedMemory(name=name)
-        except (FileNotFoundError, PermissionError):
-            continue
-        their_locals, _ = _unpack_locals(bytes(shm.buf))
-        shm.close()
+        their_locals, _ = _unpack_locals(registered)
         if os.path.abspath(local) in (os.path.abspath(p) for p in their_locals):
             found.append(name)
     return found

@@ -22,7 +22,7 @@ import torch
 from torch.distributed.fsdp import FullyShardedDataParallel
 
 from shared.presets import get_preset
-from shared.runtime import resolve_device_setup
+from shared.runtime.device import resolve_device_setup
 from tests.train.conftest import tiny_config
 from tests.train.loop.test_step_syncs import LOG_EVERY, SAVE_AT, STEPS, run_counted
 from train.bench.step import StepBench, synthetic_latent_batch, train_step

@@ -18,7 +18,7 @@ import torch
 
 from shared.contract import LATENT_MEAN
 from shared.presets import get_preset
-from shared.runtime import resolve_device_setup
+from shared.runtime.device import resolve_device_setup
 from tests.train.conftest import tiny_config
 from train.bench.step import synthetic_latent_batch, train_step
 from train.bench.syncs import count_readbacks, step_tracker

@@ -9,7 +9,7 @@ import torch
 from diffusers.models.resnet import ResnetBlock2D
 from diffusers.models.transformers.transformer_2d import Transformer2DModel
 
-from shared.runtime import DeviceSetup
+from shared.runtime.device import DeviceSetup
 from tests.train.conftest import tiny_config
 from train.bench.step import StepBench
 from train.loop.prepare import prepare_run

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from shared.contract import LATENT_LOGVAR, LATENT_MEAN
 from shared.presets import get_preset
-from shared.runtime import resolve_device_setup
+from shared.runtime.device import resolve_device_setup
 from tests.train.conftest import tiny_config
 from train.bench.anatomy.ops import cpu_autocast_like_cuda
 from train.bench.step import synthetic_latent_batch, train_step

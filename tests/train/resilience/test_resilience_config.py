@@ -18,7 +18,7 @@ from train.launch import plan_train
     [
         ("resilience.max_restarts=-1", "resilience.max_restarts must be >= 0"),
         ("resilience.hang_timeout_s=0", "resilience.hang_timeout_s must be > 0"),
-        ("resilience.max_wall_time=12hours", "is not a duration; use e.g. 3600s, 90m, 11.5h or 2d"),
+        ("resilience.max_wall_time=12hours", "must be a duration such as 3600s, 90m, 11.5h or 2d"),
         ("save_interval_minutes=0", "save_interval_minutes must be > 0"),
     ],
 )

@@ -31,6 +31,7 @@ import pytest
 from shared.launch import control
 from shared.launch.plan import LaunchOptions
 from shared.launch.supervisor import CONTROL_PREFIX
+from tests.leftovers import streaming_segments_naming
 from tests.train.checkpoints.test_resume_ranks import assert_same_weights
 from tests.train.conftest import REPO_ROOT, tiny_overrides
 from train.checkpoints.files import LATEST_NAME, read_checkpoint
@@ -110,6 +111,19 @@ def assert_matches_reference(reference: Path, save: Path) -> None:
     assert_same_weights(final_state(save), final_state(reference), WEIGHT_ATOL)
 
 
+def assert_nothing_left(text: str, tmp: Path) -> None:
+    """No Streaming segment of this run's folders in /dev/shm, no resource_tracker warning (issue 34)."""
+    assert "leaked shared_memory" not in text and "resource_tracker" not in text, text[-3000:]
+    assert streaming_segments_naming([tmp.resolve()]) == []
+
+
+def assert_clean_stop(text: str, tmp: Path) -> None:
+    """A resumable stop through `train launch`: no Python traceback from the ranks, torchrun or the launcher
+    and nothing left behind."""
+    assert "Traceback" not in text and "ResumableStop" not in text, text[-4000:]
+    assert_nothing_left(text, tmp)
+
+
 def saved_batches(save: Path) -> list[int]:
     return sorted(int(p.name.split("-ba")[1].split("-")[0]) for p in save.glob("ep*-ba*-rank0.pt"))
 
@@ -135,6 +149,7 @@ def test_sigterm_to_the_launch_command_saves_exits_resumable_and_the_rerun_match
     stopped = saved_batches(save)[-1]
     assert 5 <= stopped < MAX_BATCHES, (stopped, log.read_text()[-3000:])  # the current step, not batch 4
     assert "rerun the same command to resume" in log.read_text()
+    assert_clean_stop(log.read_text(), tmp_path)
     assert finish(start(launch_argv(save), env_for(tmp_path), log), log) == 0, log.read_text()[-4000:]
     assert f"ba{stopped}" in log.read_text().split("autoresume: continuing from")[-1].splitlines()[0]
     assert_matches_reference(reference, save)
@@ -154,6 +169,7 @@ def test_max_wall_time_saves_and_exits_resumable_and_clock_saves_keep_the_weight
     stopped = saved_batches(save)[-1]
     assert stopped < 4, (stopped, log.read_text()[-3000:])  # before the first batch-interval save
     assert "saving and stopping (the deadline)" in log.read_text()
+    assert_clean_stop(log.read_text(), tmp_path)
     clocked = launch_argv(save, "save_interval_minutes=0.0001")  # every 6 ms: at (almost) every step
     assert finish(start(clocked, env_for(tmp_path), log), log) == 0, log.read_text()[-4000:]
     kept = saved_batches(save)  # the last 3 (save_num_checkpoints_to_keep)
@@ -170,6 +186,7 @@ def test_kill_9_of_one_rank_restarts_by_itself_and_matches(reference: Path, tmp_
     assert finish(proc, log) == 0, log.read_text()[-4000:]
     assert "restart 1/3 from the checkpoint of step 4" in log.read_text()
     assert_matches_reference(reference, save)
+    assert_nothing_left(log.read_text(), tmp_path)  # the restart removed the killed attempt's segments
 
 
 def test_a_stopped_rank_is_declared_hung_its_stack_logged_and_the_job_restarts(

@@ -11,7 +11,7 @@ import torch
 from shared.contract import LATENT_MEAN
 from shared.estimate import GPU_TABLE
 from shared.estimate.memory import Strategy, batch_that_fits
-from shared.runtime import DeviceSetup
+from shared.runtime.device import DeviceSetup
 from train.model.diffusion import DiffusionModel
 
 

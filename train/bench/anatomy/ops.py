@@ -26,7 +26,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from shared.runtime import DeviceSetup
+from shared.runtime.device import DeviceSetup
 from train.ema.store import NamedEMAStore
 from train.loop.clipping import GradNormClipping
 from train.model.diffusion import DiffusionModel

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from shared.presets import get_preset
-from shared.runtime import DeviceSetup
+from shared.runtime.device import DeviceSetup
 from train.bench.anatomy.compiled import compile_anatomy
 from train.bench.anatomy.memory import activation_bytes_per_image, batch_per_gpu
 from train.bench.anatomy.ops import FullStep, dispatch_tally, profile_steps

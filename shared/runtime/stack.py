@@ -7,7 +7,7 @@ CI runs the training, resume, FSDP-consolidation and export tests on both ends o
 (`make test-torch-next`, docs/gpu-tests.md).
 
 Standard library only: `requirements` runs under the image's interpreter before anything is installed, so
-this is an argparse CLI (typer is not there yet), run as `python -m shared.stack`.
+this is an argparse CLI (typer is not there yet), run as `python -m shared.runtime.stack`.
 """
 
 from __future__ import annotations
@@ -119,7 +119,9 @@ def site_dirs() -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m shared.stack", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m shared.runtime.stack", description=__doc__.splitlines()[0]
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     req = sub.add_parser("requirements", help="the lock without torch & co, for a wheelhouse or an install")
     req.add_argument("--lock", type=Path, default=Path("requirements.lock"))

@@ -3,9 +3,11 @@
 Every job has one nested config dataclass. `load_config` builds it from a YAML file (or a name that resolves
 to one in `jobs/`), applies overrides such as `output.uri=s3://bucket/x` or `resolutions=[256,512]`, coerces
 values to the declared field types and rejects any key the dataclass does not declare, naming the key, the
-closest declared one ("did you mean optimizer.lr?") and the keys that exist. Errors name where the bad key or
-value came from: the YAML file, or `command line` for an override. Cross-field rules live in each
-dataclass's `__post_init__`.
+closest declared one ("did you mean optimizer.lr?") and the keys that exist. Every value given is checked
+against its field's allowed values (config/values.py: ranges declared in the field's metadata; numbers that
+declare none must be finite and >= 0), before any cross-field rule. Errors name where the bad key or value
+came from: the YAML file, or `command line` for an override. Cross-field rules live in each dataclass's
+`__post_init__`.
 """
 
 from __future__ import annotations
@@ -21,9 +23,11 @@ from typing import Any, TypeVar
 
 import yaml
 
+from shared.config.values import ValueRangeError, check_value
+
 T = TypeVar("T")
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 JOBS_DIR = REPO_ROOT / "jobs"
 
 
@@ -183,11 +187,25 @@ def build_dataclass(cls: type[T], raw: Mapping[str, Any], where: str = "<mapping
     if unknown:
         raise ConfigError(f"{where}: {unknown_key_message(prefix.rstrip('.'), unknown, fields)}")
     hints = typing.get_type_hints(cls)
-    kwargs = {name: _coerce(hints[name], value, where, prefix + name) for name, value in raw.items()}
+    kwargs = {}
+    for name, value in raw.items():
+        key = prefix + name
+        coerced = _coerce(hints[name], value, where, key)
+        try:  # the field's allowed values (shared/config/values.py), before any cross-field rule sees them
+            kwargs[name] = check_value(fields[name], coerced, key)
+        except (ValueRangeError, ConfigError) as err:
+            raise ConfigError(_located(err, where)) from None
     try:
         return cls(**kwargs)
     except TypeError as err:  # a required field with no default and no value
         raise ConfigError(f"{where}: {prefix or 'config'}: {err}") from err
+    except ConfigError as err:  # a cross-field rule of __post_init__: say where the config came from
+        raise ConfigError(_located(err, where)) from None
+
+
+def _located(err: Exception, where: str) -> str:
+    message = str(err)
+    return message if message.startswith(f"{where}: ") else f"{where}: {message}"
 
 
 def _coerce(tp: Any, value: Any, where: str, key: str) -> Any:
@@ -198,13 +216,15 @@ def _coerce(tp: Any, value: Any, where: str, key: str) -> Any:
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
-        errors = []
+        errors: list[tuple[Any, str]] = []
         for option in (a for a in args if a is not type(None)):
             try:
                 return _coerce(option, value, where, key)
             except ConfigError as err:
-                errors.append(str(err))
-        raise ConfigError(errors[-1] if errors else f"{where}: {key}: bad value {value!r}")
+                errors.append((option, str(err)))
+        # A word given where a word or a mapping fits (transform.buckets: none | auto | {...}): name the words.
+        words = [e for o, e in errors if typing.get_origin(o) is typing.Literal and isinstance(value, str)]
+        raise ConfigError((words or [e for _, e in errors] or [f"{where}: {key}: bad value {value!r}"])[-1])
     if origin is typing.Literal:
         if value not in args:
             raise ConfigError(f"{where}: {key} must be one of {list(args)}, got {value!r}")

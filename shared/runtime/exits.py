@@ -1,0 +1,168 @@
+"""How a command ends for the person who typed it: an expected stop prints its message and exits with its
+documented code (docs/running-unattended.md, "Exit codes"); anything else is a bug and keeps its traceback.
+
+Expected stops are exceptions whose message already says what happened and what to do: a resumable stop
+(exit 75), a finished run, a refused resume, a bad config, a data-contract error (exit 2). `--debug`
+anywhere on the command line, or SD_DEBUG=1 in the environment (torchrun hands it to every rank), shows
+the traceback of those too.
+
+Each stage's CLI wraps its typer commands once with `guard_commands(app, classify)`, where `classify` maps
+an exception to `Stop(code, prefix)` or None (a bug). The wrapper sits inside the command, so typer's test
+runner sees the same exit codes as a shell.
+
+`python -m shared.runtime.exits ARGS` is torchrun as the launch supervisor runs it (`torchrun_argv`): torchrun
+raises ChildFailedError for any rank that exits non-zero, and Python prints its traceback and a report box,
+also when the ranks exited 75 after a clean save or 2 after explaining an error in one line. The supervisor
+says what an exit means; here a rank that exited with such a code adds nothing, any other exit one line
+(`torchrun: rank 1 exited -9`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from shared.launch.control import EXIT_FATAL, EXIT_RESUMABLE
+
+DEBUG_ENV = "SD_DEBUG"
+DEBUG_FLAG = "--debug"
+
+
+@dataclass(frozen=True)
+class Stop:
+    """How an expected stop ends: its exit code and what goes before its message ("error: " or nothing)."""
+
+    code: int
+    prefix: str = "error: "
+    quiet: bool = False  # print nothing (another process says it, e.g. global rank 0 for every rank)
+
+
+Classify = Callable[[BaseException], Stop | None]
+
+
+def debug_enabled() -> bool:
+    return os.environ.get(DEBUG_ENV, "").strip().lower() not in ("", "0", "false", "no")
+
+
+def enable_debug() -> None:
+    """Tracebacks for everything, in this process and every process it starts (torchrun's ranks)."""
+    os.environ[DEBUG_ENV] = "1"
+
+
+def take_debug_flag(argv: list[str]) -> list[str]:
+    """`--debug` anywhere on the command line (`make train ARGS='... --debug'` puts it after the command's
+    arguments, where typer would refuse it): switch debug on and return the other arguments."""
+    if DEBUG_FLAG not in argv:
+        return argv
+    enable_debug()
+    return [arg for arg in argv if arg != DEBUG_FLAG]
+
+
+def main(app: typer.Typer, prog_name: str) -> Any:
+    """Run a stage's typer app as `python -m <stage>` does: `--debug` taken from anywhere first."""
+    sys.argv[1:] = take_debug_flag(sys.argv[1:])
+    return app(prog_name=prog_name)
+
+
+def add_debug_option(app: typer.Typer) -> None:
+    """`python -m train --debug fit ...` (listed in --help); `take_debug_flag` also finds it elsewhere."""
+
+    @app.callback()
+    def _options(
+        debug: bool = typer.Option(
+            False, DEBUG_FLAG, help=f"show tracebacks for expected stops too (or set {DEBUG_ENV}=1)"
+        ),
+    ) -> None:
+        if debug:
+            enable_debug()
+
+
+def guard_commands(app: typer.Typer, classify: Classify) -> None:
+    """Wrap every command registered on `app` so that an expected stop ends as `classify` says."""
+    for info in app.registered_commands:
+        if info.callback is not None and not getattr(info.callback, "_guarded", False):
+            info.callback = _guarded(info.callback, classify)
+
+
+def _guarded(command: Callable[..., Any], classify: Classify) -> Callable[..., Any]:
+    @functools.wraps(command)  # typer reads the parameters through __wrapped__
+    def run(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return command(*args, **kwargs)
+        except Exception as err:
+            stop = None if isinstance(err, typer.Exit) else classify(err)
+            if stop is None or debug_enabled():
+                raise
+            if not stop.quiet:
+                typer.echo(f"{stop.prefix}{err}", err=True)
+            raise typer.Exit(stop.code) from None
+
+    run._guarded = True  # type: ignore[attr-defined]
+    return run
+
+
+# ------------------------------------------------------------------------------------------- torchrun
+SELF_EXPLAINED = (EXIT_RESUMABLE, EXIT_FATAL)  # exit codes whose rank printed why it stopped
+# torch's per-rank "failed (exitcode: N)" and "Sending process N closing signal" lines; the line below says it
+ELASTIC_API_LOGGER = "torch.distributed.elastic.multiprocessing.api"
+TORCHRUN_FAILED = 1  # torchrun's own exit code when a rank failed
+TORCHELASTIC_TEMP_PREFIX = "torchelastic_"
+
+
+def torchrun_argv(argv: list[str]) -> list[str]:
+    """`torchrun ARGS` -> `python -m shared.runtime.exits ARGS` (this interpreter); other commands as is."""
+    if argv and os.path.basename(argv[0]) == "torchrun":
+        return [sys.executable, "-m", "shared.runtime.exits", *argv[1:]]
+    return list(argv)
+
+
+def run_torchrun() -> None:
+    """torchrun's main without the traceback box for ranks that stopped on purpose (module doc)."""
+    import logging
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main as torchrun_main
+
+    if not debug_enabled():
+        logging.getLogger(ELASTIC_API_LOGGER).setLevel(logging.CRITICAL)
+    with _removing_new_temp_dirs(TORCHELASTIC_TEMP_PREFIX):
+        _torchrun_quietly(torchrun_main, ChildFailedError)
+
+
+@contextlib.contextmanager
+def _removing_new_temp_dirs(prefix: str) -> Iterator[None]:
+    """torchrun leaves its per-launch log folder (<tmp>/torchelastic_*) behind: one per launch and restart."""
+    temp = Path(tempfile.gettempdir())
+    before = set(temp.glob(f"{prefix}*"))
+    try:
+        yield
+    finally:
+        for folder in set(temp.glob(f"{prefix}*")) - before:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _torchrun_quietly(torchrun_main: Callable[[], Any], failed: type[Exception]) -> None:
+    try:
+        torchrun_main()
+    except failed as err:
+        if debug_enabled():
+            raise
+        unexplained = [f for f in err.failures.values() if f.exitcode not in SELF_EXPLAINED]  # type: ignore[attr-defined]
+        if unexplained:
+            text = ", ".join(f"rank {f.rank} exited {f.exitcode}" for f in unexplained)
+            print(f"torchrun: {text}", file=sys.stderr, flush=True)
+        sys.exit(TORCHRUN_FAILED)
+
+
+if __name__ == "__main__":
+    run_torchrun()

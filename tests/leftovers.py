@@ -1,0 +1,123 @@
+"""What a test run leaves behind in the temp folder and /dev/shm, attributed to this run only.
+
+Several suites (and jobs) may run at once on one machine, so nothing here counts globally:
+- the run gets a temp folder of its own under the system one (TMPDIR, which every subprocess inherits;
+  pytest's own `tmp_path` folders stay under the system temp folder, where its retention policy and
+  rotation apply). At the end, whatever is left in it was left by this run;
+- a Streaming shared-memory segment is this run's when its prefix's `_locals` block names a folder under
+  this run's temp folder or pytest's base temp folder (Streaming names segments `<prefix>_<what>` and
+  records the local folders of each prefix in `<prefix>_locals`).
+`conftest.py` starts a run at import and reports (and removes) the leftovers at the end of the session.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import re
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SHM = Path("/dev/shm")
+RUN_PREFIX = "sd-pretrain-tests-"
+PRODUCT_CACHE_PREFIX = "sd-pretrain-"  # shared.storage.private_temp_dir folders (locks, caches, run logs)
+_SEGMENT = re.compile(r"^(\d{6})_[a-z_]+$")  # Streaming's `<prefix>_<what>`
+
+
+@dataclass
+class Run:
+    system_temp: Path
+    temp: Path  # this run's TMPDIR
+    shm_before: set[str] = field(default_factory=set)
+
+
+def start_run() -> Run:
+    """A temp folder for this run (TMPDIR for it and its subprocesses); pytest's tmp_path stays in the system
+    temp folder. Call before anything caches tempfile.gettempdir()."""
+    system_temp = Path(tempfile.gettempdir())
+    temp = Path(tempfile.mkdtemp(prefix=RUN_PREFIX, dir=system_temp))
+    os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", str(system_temp))
+    os.environ["TMPDIR"] = str(temp)
+    tempfile.tempdir = str(temp)
+    return Run(system_temp, temp, shm_names())
+
+
+def shm_names() -> set[str]:
+    return {p.name for p in SHM.iterdir()} if SHM.is_dir() else set()
+
+
+def streaming_prefixes_naming(roots: list[Path], names: set[str] | None = None) -> set[str]:
+    """Prefixes (`000012`) whose Streaming `_locals` block names a folder under one of `roots`."""
+    from train.data.streaming_host import read_shm
+
+    found = set()
+    for name in sorted(shm_names() if names is None else names):
+        match = _SEGMENT.match(name)
+        if not match or not name.endswith("_locals"):
+            continue
+        data = read_shm(name)
+        if data is None or len(data) < 4:
+            continue
+        folders = data[4 : int.from_bytes(data[:4], "little")].decode("utf-8", "replace").split("\0")[:-1]
+        if any(_under(folder, roots) for folder in folders):
+            found.add(match.group(1))
+    return found
+
+
+def streaming_segments_naming(roots: list[Path]) -> list[str]:
+    """Every /dev/shm segment of a Streaming prefix registered for a folder under `roots`."""
+    prefixes = streaming_prefixes_naming(roots)
+    return sorted(n for n in shm_names() if (m := _SEGMENT.match(n)) and m.group(1) in prefixes)
+
+
+def _under(folder: str, roots: list[Path]) -> bool:
+    path = os.path.abspath(folder)
+    return any(path == str(r) or path.startswith(f"{r}{os.sep}") for r in roots)
+
+
+def _removed_at_exit() -> set[str]:
+    """What this process removes at interpreter exit, after this check runs: live TemporaryDirectory objects
+    (torch makes one at import), its datasets' Streaming file locks, and the product's per-user caches
+    (`sd-pretrain-*`: kept across jobs by design, removed here with the run's temp folder)."""
+    live = [
+        o for o in gc.get_objects() if type(o) is tempfile.TemporaryDirectory
+    ]  # not isinstance: proxies warn
+    names = {Path(o.name).name for o in live}
+    mp_temp = getattr(sys.modules.get("multiprocessing.process"), "current_process", lambda: None)()
+    if mp_temp is not None and mp_temp._config.get("tempdir"):  # multiprocessing's pymp-*, a finalizer's
+        names.add(Path(mp_temp._config["tempdir"]).name)
+    host = sys.modules.get("train.data.streaming_host")
+    names |= {p.name for p in getattr(host, "LOCKS_REMOVED_AT_EXIT", [])}
+    return names | {p.name for p in Path(tempfile.gettempdir()).glob(f"{PRODUCT_CACHE_PREFIX}*")}
+
+
+def finish_run(run: Run, basetemp: Path | None) -> list[str]:
+    """Lines naming what this run left behind (nothing: []), after removing it."""
+    lines = []
+    roots = [run.temp.resolve(), *([basetemp.resolve()] if basetemp else [])]
+    later = _removed_at_exit()
+    alive = {name[:6] for name in later if _SEGMENT.match(name.removesuffix("_filelock"))}  # our datasets'
+    ours = [name for name in streaming_segments_naming(roots) if name[:6] not in alive]
+    if ours:
+        lines.append(f"/dev/shm: {len(ours)} Streaming segment(s) of this run: {', '.join(ours)}")
+        for name in ours:
+            (SHM / name).unlink(missing_ok=True)
+    entries = sorted(p for p in run.temp.iterdir() if p.name not in later) if run.temp.is_dir() else []
+    if entries:
+        shown = ", ".join(p.name for p in entries[:20]) + (" ..." if len(entries) > 20 else "")
+        lines.append(f"{run.temp}: {len(entries)} entr(y/ies) left in this run's temp folder: {shown}")
+    for entry in entries:
+        shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() else entry.unlink(missing_ok=True)
+    _remove_at_exit(run.temp)
+    return lines
+
+
+def _remove_at_exit(folder: Path) -> None:
+    """The run's temp folder goes after everything removed at exit: multiprocessing's finalizers run lowest
+    priority last, and its own pymp-* folder is removed at priority -100 (multiprocessing/util.py)."""
+    from multiprocessing import util
+
+    util.Finalize(None, shutil.rmtree, args=(str(folder),), kwargs={"ignore_errors": True}, exitpriority=-101)

@@ -1,0 +1,115 @@
+"""Expected stops end in a line or two and their exit code; bugs keep their traceback; --debug shows all."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from shared.config import ConfigError
+from shared.runtime.exits import (
+    DEBUG_ENV,
+    Stop,
+    add_debug_option,
+    guard_commands,
+    take_debug_flag,
+    torchrun_argv,
+)
+from tests.train.conftest import REPO_ROOT
+from train.cli import classify
+from train.resilience.exits import ResumableStop
+
+
+def _app(error: Exception) -> typer.Typer:
+    app = typer.Typer()
+    add_debug_option(app)
+
+    @app.command()
+    def go() -> None:
+        raise error
+
+    @app.command()
+    def fine() -> None:
+        typer.echo("ok")
+
+    guard_commands(app, classify)
+    return app
+
+
+@pytest.fixture(autouse=True)
+def _no_debug(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Off for each test, and whatever a test sets (take_debug_flag writes os.environ) is undone after it:
+    a leaked SD_DEBUG=1 would give later tests' subprocesses tracebacks."""
+    monkeypatch.setenv(DEBUG_ENV, "0")
+
+
+def test_a_resumable_stop_is_one_line_with_exit_75() -> None:
+    result = CliRunner().invoke(_app(ResumableStop(241, "SIGTERM", "/ck/ep0-ba241-rank0.pt")), ["go"])
+    assert result.exit_code == 75
+    assert result.output.strip().splitlines() == [
+        "stopped at batch 241 on SIGTERM after saving a checkpoint of it (/ck/ep0-ba241-rank0.pt); "
+        "rerun the same command to resume (exit code 75)"
+    ]
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+
+
+def test_a_user_error_is_one_line_with_exit_2_and_a_bug_keeps_its_traceback() -> None:
+    user = CliRunner().invoke(_app(ConfigError("command line: optimizer.lr must be > 0, got -1.0")), ["go"])
+    assert user.exit_code == 2
+    assert user.output.strip() == "error: command line: optimizer.lr must be > 0, got -1.0"
+    bug = CliRunner().invoke(_app(ZeroDivisionError("a real bug")), ["go"])
+    assert isinstance(bug.exception, ZeroDivisionError)  # not swallowed: typer prints its traceback
+
+
+def test_debug_shows_the_traceback_of_an_expected_stop(monkeypatch: pytest.MonkeyPatch) -> None:
+    result = CliRunner().invoke(_app(ConfigError("bad")), ["--debug", "go"])
+    assert isinstance(result.exception, ConfigError)
+    monkeypatch.setenv(DEBUG_ENV, "1")
+    assert isinstance(CliRunner().invoke(_app(ConfigError("bad")), ["go"]).exception, ConfigError)
+
+
+def test_debug_is_taken_from_anywhere_on_the_command_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert take_debug_flag(["fit", "tiny", "lr=1"]) == ["fit", "tiny", "lr=1"]
+    assert os.environ[DEBUG_ENV] == "0"
+    assert take_debug_flag(["fit", "tiny", "--debug", "lr=1"]) == ["fit", "tiny", "lr=1"]
+    assert os.environ[DEBUG_ENV] == "1"  # and torchrun's ranks inherit it
+
+
+def test_classify_knows_the_expected_stops() -> None:
+    assert classify(ResumableStop(1, "SIGTERM", None)) == Stop(75, prefix="")
+    assert classify(ConfigError("x")) == Stop(2)
+    assert classify(KeyError("x")) is None
+
+
+def test_a_wrong_value_on_the_real_cli_is_one_line_before_any_work(tmp_path) -> None:
+    """The issue's example: `make train ARGS='optimizer.lr=-1 ...'` ended in a torch traceback after building
+    everything; now one line, exit 2, and with --debug the traceback."""
+    argv = [sys.executable, "-m", "train", "fit", "tiny", "optimizer.lr=-1", f"save_folder={tmp_path}"]
+    env = {**os.environ, DEBUG_ENV: "0"}
+    run = subprocess.run([*argv, "max_duration=2ba"], cwd=REPO_ROOT, env=env, capture_output=True, text=True)
+    assert run.returncode == 2, run.stderr
+    assert run.stderr.strip() == "error: command line: optimizer.lr must be > 0, got -1.0"
+    assert not any(tmp_path.iterdir())  # nothing was built
+    debug = subprocess.run([*argv, "--debug"], cwd=REPO_ROOT, env=env, capture_output=True, text=True)
+    assert debug.returncode != 0 and "Traceback" in debug.stderr + debug.stdout
+
+
+def test_the_supervisor_runs_torchrun_without_its_traceback_box() -> None:
+    """torchrun prints a ChildFailedError traceback whenever a rank exits non-zero, also 75 after a clean
+    save; the supervisor runs it through shared/runtime/exits.py (what it then prints: the SIGTERM test of
+    tests/train/resilience/test_unattended.py)."""
+    argv = ["/venv/bin/torchrun", "--standalone", "-m", "train", "fit"]
+    assert torchrun_argv(argv) == [
+        sys.executable,
+        "-m",
+        "shared.runtime.exits",
+        "--standalone",
+        "-m",
+        "train",
+        "fit",
+    ]
+    assert torchrun_argv(["bash", "-c", "x"]) == ["bash", "-c", "x"]
