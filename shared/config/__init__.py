@@ -222,7 +222,7 @@ def _coerce(tp: Any, value: Any, where: str, key: str) -> Any:
                 return _coerce(option, value, where, key)
             except ConfigError as err:
                 errors.append((option, str(err)))
-        # A word given where a word or a mapping fits (transform.buckets: none | auto | {...}): name the words.
+        # A word where a word or a mapping fits (transform.buckets: none | auto | {...}): name the words.
         words = [e for o, e in errors if typing.get_origin(o) is typing.Literal and isinstance(value, str)]
         raise ConfigError((words or [e for _, e in errors] or [f"{where}: {key}: bad value {value!r}"])[-1])
     if origin is typing.Literal:
