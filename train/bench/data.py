@@ -64,7 +64,9 @@ def write_synthetic_dataset(
         rejected={},
         samples_read=info.num_samples,
         fingerprints={
-            "dataset": fingerprint(["bench", preset.name, seed, rows, resolution, buckets or []]),
+            "dataset": fingerprint(
+                ["bench", preset.name, seed, rows, resolution, *([buckets] if buckets else [])]
+            ),
             "encoders": {},
         },
         empty_caption_embedding=np.zeros(shapes.text, dtype=np.float16),
@@ -81,8 +83,9 @@ def _write_rows(
 ) -> int:
     """`rows` random rows at `shapes` as MDS shards in `out` (bucketed rows: images of exactly the bucket's
     (H, W) px, uncropped); returns their bytes."""
-    geometry = None if bucket is None else (bucket, (0.0, 0.0, float(bucket[1]), float(bucket[0])))
     from streaming import MDSWriter
+
+    geometry = None if bucket is None else (bucket, (0.0, 0.0, float(bucket[1]), float(bucket[0])))
 
     with MDSWriter(out=str(out), columns=mds_columns(shapes), size_limit=SHARD_SIZE_LIMIT) as writer:
         for i in range(rows):
