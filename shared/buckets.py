@@ -51,6 +51,18 @@ def sort_buckets(buckets: Iterable[Bucket]) -> list[Bucket]:
     return sorted(set(buckets), key=lambda b: (b[1] / b[0], b))
 
 
+def landscape_and_portrait(counts: dict[str, int]) -> list[str]:
+    """Of "HxW" -> samples, the landscape and the portrait bucket with the most samples (either missing when
+    there is none): the shapes sample grids render besides the square."""
+    found = []
+    for wide in (True, False):
+        names = [n for n in counts if (parse_bucket(n)[1] > parse_bucket(n)[0]) == wide]
+        names = [n for n in names if parse_bucket(n)[0] != parse_bucket(n)[1]]
+        if names:
+            found.append(max(names, key=lambda n: counts[n]))
+    return found
+
+
 def nearest_bucket(width: int, height: int, buckets: Sequence[Bucket]) -> Bucket:
     """The bucket whose aspect ratio is nearest the image's, in log space; ties go to the larger area."""
     ratio = math.log(width / height)

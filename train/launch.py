@@ -68,7 +68,7 @@ from shared.launch.plan import (
 from shared.launch.steps import build_steps
 from shared.launch.supervisor import Supervision
 from train.config import TrainConfig, time_count
-from train.data.mix import plan_lines
+from train.data.mix import data_cost_factor, plan_lines
 from train.eval.cost import plan_line as eval_plan_line
 from train.model.compile_plan import compile_plan_line
 from train.resilience.plan import RunShape, exit_lead_s, resilience_lines, total_steps
@@ -258,7 +258,12 @@ def run_estimate_line(cfg: TrainConfig, gpus: int, gpu_type: str) -> str:
         )
     if samples is None:
         return f"{what}; no time or cost: give max_duration in batches (e.g. 550000ba) to price it"
-    phase = f"schedule=[{{name: this-run, resolution: {cfg.data.resolution}, samples: {samples}}}]"
+    # a bucket mix is priced as the square samples of the same FLOPs (pixels; train/data/mix.py)
+    factor = data_cost_factor(cfg.data, cfg.seed if cfg.data.shuffle_seed is None else cfg.data.shuffle_seed)
+    priced = round(samples * factor)
+    if priced != samples:
+        what += f" (bucket mix: compute x{factor:.3f}, priced as {priced:,} square samples)"
+    phase = f"schedule=[{{name: this-run, resolution: {cfg.data.resolution}, samples: {priced}}}]"
     try:
         est = estimate_for_plan(gpus, gpu_type, overrides=[phase, "encode.samples=0"])
     except (ConfigError, OSError) as err:

@@ -212,6 +212,21 @@ def _one_torch_thread() -> Iterator[None]:
         yield
 
 
+@pytest.fixture(autouse=True)
+def _cudnn_benchmark_restored() -> Iterator[None]:
+    """A test that builds a GPU run's model on the host (device kind "gpu", e.g. StepBench) turns on
+    `torch.backends.cudnn.benchmark` for the process, as a real GPU run should (train/model/kernels.py);
+    put it back so a later test in the same process sees the default (test_kernels.py asserts a CPU run
+    leaves it off)."""
+    import torch
+
+    before = torch.backends.cudnn.benchmark
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.benchmark = before
+
+
 @pytest.fixture(scope="session")
 def tiny_dataset(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A read-only tiny dataset shared by tests that never modify it (64 rows at 64 px, 2 partitions)."""

@@ -7,9 +7,10 @@ from pathlib import Path
 from typing import Literal
 
 from encode.bench import EncodeBenchConfig
+from shared.buckets import auto_buckets, bucket_name, parse_bucket
 from shared.config import ConfigError, load_config
 from shared.config.values import allowed
-from shared.presets import get_preset
+from shared.presets import Preset, get_preset
 
 DEFAULT_CONFIG = "quick"
 
@@ -81,6 +82,30 @@ class AnatomyBenchConfig:
 
 
 @dataclass
+class BucketBenchConfig:
+    """Aspect-ratio buckets (issue 32; train/bench/anatomy/buckets.py): the step at each bucket's shape, the
+    graphs a compiled U-Net makes over them, and train's loader over a bucketed dataset, so `make bench`
+    shows them without a bucketed dataset of one's own."""
+
+    enabled: bool = False
+    resolution: int = allowed(0, ge=0)  # px; 0: the first of step.resolutions
+    # bucket names "HxW" in px; []: encode's auto list at `resolution` (bucket_step, max_aspect below)
+    buckets: list[str] = field(default_factory=list)
+    bucket_step: int = allowed(
+        64, ge=8
+    )  # px: the sides' step of the auto list (encode's transform.bucket_step)
+    max_aspect: float = allowed(
+        2.0, ge=1
+    )  # longer / shorter side of the auto list (encode's filter.max_aspect_ratio)
+    batch_size: int = 0  # per device; 0: the step's batch size at that resolution
+    warmup: int = 1  # untimed steps per bucket
+    repeats: int = allowed(3, ge=1)  # timed steps per bucket; the median is reported
+    # torch.compile backend for graphs and recompiles over the buckets: "" (skip), "aot_eager", "inductor"
+    compile_backend: str = ""
+    loader_rows: int = 0  # rows per bucket of a bucketed dataset read by train's loader; 0: no loader pass
+
+
+@dataclass
 class ScaleBenchConfig:
     """Counters that must not grow with the cluster (issue 11; train/bench/scale.py, scale_s3.py)."""
 
@@ -118,6 +143,7 @@ class BenchConfig:
     loader: LoaderBenchConfig = field(default_factory=LoaderBenchConfig)
     trainer: TrainerBenchConfig = field(default_factory=TrainerBenchConfig)
     anatomy: AnatomyBenchConfig = field(default_factory=AnatomyBenchConfig)
+    buckets: BucketBenchConfig = field(default_factory=BucketBenchConfig)
     encode: EncodeBenchConfig = field(default_factory=EncodeBenchConfig)
     scale: ScaleBenchConfig = field(default_factory=ScaleBenchConfig)
     out_dir: str = "outputs/bench"
@@ -153,6 +179,41 @@ class BenchConfig:
                 f"anatomy.baseline={anatomy.baseline!r} is not in anatomy.variants "
                 f"{sorted(anatomy.variants)}; use recipe or one of them"
             )
+        self._check_buckets(preset)
+
+    def _check_buckets(self, preset: Preset) -> None:
+        buckets = self.buckets
+        if not buckets.enabled:
+            return
+        if buckets.compile_backend not in ("", "aot_eager", "inductor", "eager"):
+            raise ConfigError(
+                f'buckets.compile_backend={buckets.compile_backend!r}: use inductor, aot_eager, eager or ""'
+            )
+        if 0 < buckets.loader_rows < self.bucket_batch():
+            raise ConfigError(
+                f"buckets.loader_rows={buckets.loader_rows} must hold one batch of {self.bucket_batch()} "
+                "(per_stream batching reads whole batches of one bucket), or be 0"
+            )
+        try:
+            factor = self.bucket_resolution() // preset.latent_shape(self.bucket_resolution())[1]
+            sides = {name: parse_bucket(name) for name in self.bucket_names()}
+        except ValueError as err:
+            raise ConfigError(f"buckets.resolution / buckets.buckets: {err}") from err
+        for name, (height, width) in sides.items():
+            if height % factor or width % factor:
+                raise ConfigError(f"buckets.buckets: {name}: sides not multiples of the VAE's {factor} px")
+
+    def bucket_resolution(self) -> int:
+        return self.buckets.resolution or self.step.resolutions[0]
+
+    def bucket_batch(self) -> int:
+        return self.buckets.batch_size or self.step.batch_for(self.bucket_resolution())
+
+    def bucket_names(self) -> list[str]:
+        """The benched buckets: as given, or encode's auto list at the bucket resolution."""
+        b = self.buckets
+        found = auto_buckets(self.bucket_resolution(), b.bucket_step, b.max_aspect)
+        return b.buckets or [bucket_name(bucket) for bucket in found]
 
     def data_resolution(self) -> int:
         return self.loader.resolution or self.step.resolutions[0]

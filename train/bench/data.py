@@ -20,11 +20,13 @@ from typing import Any
 
 import numpy as np
 
+from shared.buckets import parse_bucket
 from shared.contract import Shapes, make_row, mds_columns
 from shared.manifest import INDEX_NAME, DatasetManifest, Layout, ResolutionInfo, fingerprint
 from shared.presets import Preset
 from train.config import DataConfig
 from train.data import packing
+from train.data.buckets import run_streams
 from train.data.loader import build_dataloader, pin_version, read_dataset_manifest
 
 VERSION = "bench"
@@ -37,36 +39,36 @@ LOGVAR_RANGE = (-6.0, -2.0)  # typical stored posterior log-variances; values do
 
 # ---------------------------------------------------------------------------------------------- dataset
 def write_synthetic_dataset(
-    root: Path, preset: Preset, resolution: int, rows: int, seed: int
+    root: Path, preset: Preset, resolution: int, rows: int, seed: int, buckets: list[str] | None = None
 ) -> DatasetManifest:
-    """An encode output at `root` holding `rows` random rows at the preset's shapes for one resolution."""
-    from streaming import MDSWriter
-
+    """An encode output at `root` holding `rows` random rows at the preset's shapes for one resolution; with
+    `buckets` ("HxW" px), bucketed as encode's transform.buckets lays it out: `rows` in every bucket."""
     shapes = Shapes(preset.latent_shape(resolution), preset.text_shape())
     layout = Layout(str(root))
     part_dir = Path(layout.partition_output(resolution, PARTITION))
     rng = np.random.default_rng(seed)
-    with MDSWriter(out=str(part_dir), columns=mds_columns(shapes), size_limit=SHARD_SIZE_LIMIT) as writer:
-        for i in range(rows):
-            mean = rng.standard_normal(shapes.latent, dtype=np.float32)
-            logvar = rng.uniform(*LOGVAR_RANGE, shapes.latent)
-            text = rng.standard_normal(shapes.text, dtype=np.float32)
-            writer.write(make_row(f"{i:09d}", f"bench caption {i}", mean, logvar, text))
-    index = _index_below_stream_root(part_dir)
-    for uri in (layout.version_index(VERSION, resolution), layout.current_index(resolution)):
-        _write_json(Path(uri), index)
-    size = sum(p.stat().st_size for p in part_dir.glob("*.mds"))
+    if buckets:
+        info = _write_buckets(layout, part_dir, shapes, resolution, buckets, rows, rng)
+    else:
+        size = _write_rows(part_dir, shapes, rows, rng)
+        index = _index_below_stream_root(part_dir, part_dir.name)
+        for uri in (layout.version_index(VERSION, resolution), layout.current_index(resolution)):
+            _write_json(Path(uri), index)
+        info = ResolutionInfo(rows, shapes, size, 0, fingerprint([seed, rows, resolution]))
     manifest = DatasetManifest(
         version=VERSION,
         created=datetime.now(UTC).isoformat(),
         preset=preset.name,
         scale_factor=preset.scale_factor,
-        resolutions={
-            resolution: ResolutionInfo(rows, shapes, size, 0, fingerprint([seed, rows, resolution]))
-        },
+        resolutions={resolution: info},
         rejected={},
-        samples_read=rows,
-        fingerprints={"dataset": fingerprint(["bench", preset.name, seed, rows, resolution]), "encoders": {}},
+        samples_read=info.num_samples,
+        fingerprints={
+            "dataset": fingerprint(
+                ["bench", preset.name, seed, rows, resolution, *([buckets] if buckets else [])]
+            ),
+            "encoders": {},
+        },
         empty_caption_embedding=np.zeros(shapes.text, dtype=np.float16),
         partitions=[{"id": PARTITION, "dirs": {str(resolution): PARTITION}}],
         config={"preset": preset.name, "encoder": {}},
@@ -76,13 +78,55 @@ def write_synthetic_dataset(
     return manifest
 
 
-def _index_below_stream_root(part_dir: Path) -> dict[str, Any]:
-    """The partition's MDS index, shard paths made relative to the stream root (as encode merges them)."""
-    index = json.loads((part_dir / INDEX_NAME).read_text())
+def _write_rows(
+    out: Path, shapes: Shapes, rows: int, rng: np.random.Generator, bucket: tuple[int, int] | None = None
+) -> int:
+    """`rows` random rows at `shapes` as MDS shards in `out` (bucketed rows: images of exactly the bucket's
+    (H, W) px, uncropped); returns their bytes."""
+    from streaming import MDSWriter
+
+    geometry = None if bucket is None else (bucket, (0.0, 0.0, float(bucket[1]), float(bucket[0])))
+
+    with MDSWriter(out=str(out), columns=mds_columns(shapes), size_limit=SHARD_SIZE_LIMIT) as writer:
+        for i in range(rows):
+            mean = rng.standard_normal(shapes.latent, dtype=np.float32)
+            logvar = rng.uniform(*LOGVAR_RANGE, shapes.latent)
+            text = rng.standard_normal(shapes.text, dtype=np.float32)
+            writer.write(make_row(f"{i:09d}", f"bench caption {i}", mean, logvar, text, geometry))
+    return sum(p.stat().st_size for p in out.glob("*.mds"))
+
+
+def _write_buckets(
+    layout: Layout,
+    part_dir: Path,
+    square: Shapes,
+    resolution: int,
+    buckets: list[str],
+    rows: int,
+    rng: np.random.Generator,
+) -> ResolutionInfo:
+    """Per bucket a sub-folder of the partition and one index of that bucket (shared/manifest.py)."""
+    counts = {}
+    for name in buckets:
+        bucket = parse_bucket(name)
+        shapes = square.for_bucket(bucket, resolution // square.latent[1])
+        size = _write_rows(part_dir / name, shapes, rows, rng, bucket)
+        index = _index_below_stream_root(part_dir / name, f"{part_dir.name}/{name}")
+        _write_json(Path(layout.bucket_index(VERSION, resolution, name)), index)
+        counts[name] = {"num_samples": rows, "bytes": size}
+    total = rows * len(buckets)
+    size = sum(c["bytes"] for c in counts.values())
+    bucketed = dataclasses.replace(square, bucketed=True)
+    return ResolutionInfo(total, bucketed, size, 0, fingerprint([rows, resolution, buckets]), buckets=counts)
+
+
+def _index_below_stream_root(out: Path, prefix: str) -> dict[str, Any]:
+    """The MDS index in `out`, shard paths made relative to the stream root (as encode merges them)."""
+    index = json.loads((out / INDEX_NAME).read_text())
     for shard in index["shards"]:
         for key in ("raw_data", "zip_data"):
             if shard.get(key):
-                shard[key]["basename"] = f"{part_dir.name}/{shard[key]['basename']}"
+                shard[key]["basename"] = f"{prefix}/{shard[key]['basename']}"
     return index
 
 
@@ -154,10 +198,13 @@ def _one_pass(loader: Any) -> LoaderRun:
 def bench_loader(
     root: Path, resolution: int, batch_size: int, num_workers: int, passes: int, cache_dir: Path, seed: int
 ) -> dict[str, Any]:
-    """Train's real StreamingDataLoader over the dataset: images/s per pass (pass 1 copies shards in)."""
+    """Train's real StreamingDataLoader over the dataset (bucketed or not): images/s per pass (pass 1 copies
+    shards in)."""
     cfg = data_config(root, resolution, cache_dir, num_workers)
     pinned = pin_version(cfg, read_dataset_manifest(cfg))
-    loader = build_dataloader(cfg, pinned, batch_size, seed)
+    # as the trainer builds it: a bucketed dataset reads one stream per bucket, per_stream batches
+    streams, _, method = run_streams(cfg.batching_method, pinned, [], batch_size, cfg.download_timeout)
+    loader = build_dataloader(cfg, pinned, batch_size, seed, streams, method)
     runs = [_one_pass(loader) for _ in range(max(passes, 1))]
     del loader
     gc.collect()  # shuts the persistent workers down and releases Streaming's shared memory

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from train.bench.anatomy.buckets import bucket_findings, bucket_rows
 from train.bench.anatomy.report import anatomy_findings, vae_findings
 
 JSON_NAME = "bench.json"
@@ -159,6 +160,8 @@ def findings(result: dict[str, Any]) -> list[str]:
         notes += encode_findings(encode) + vae_findings(encode)
     if anatomy := result.get("anatomy"):
         notes += anatomy_findings(anatomy)
+    if buckets := result.get("buckets"):
+        notes += bucket_findings(buckets)
     notes += [
         f"{res} px: text.store=tokens (text tower in the step) takes {t['ratio']:.3f}x the step on stored "
         f"embeddings (ideal from FLOPs {t['flop_ideal_ratio']:.3f}x)"
@@ -231,6 +234,9 @@ def _pipeline_table(result: dict[str, Any]) -> list[str]:
                 f"its step work {_fmt(1000 * trainer['in_step_s'], 1)} ms; bare step {_fmt(bare, 1)} ms",
             ]
         )
+    if buckets := result.get("buckets"):
+        square = result["train"].get(str(buckets["resolution"]), {}).get("images_per_s_per_device")
+        rows += bucket_rows(buckets, square)
     if encode := result.get("encode"):
         stages = ", ".join(f"{k} {_fmt(v, 1)}" for k, v in encode["stages_samples_per_s"].items())
         rate = f"{_fmt(encode['images_per_s_per_device'], 1)} samples/s"

@@ -20,6 +20,7 @@ from shared.config import ConfigError, config_to_dict, load_config
 from shared.estimate import GPU_TABLE, gpu_type_for_device
 from shared.presets import get_preset
 from shared.runtime.device import DeviceSetup, resolve_device_setup
+from train.bench.anatomy.buckets import bench_buckets
 from train.bench.anatomy.section import bench_anatomy, bench_variants
 from train.bench.config import BenchConfig
 from train.bench.data import (
@@ -242,6 +243,9 @@ def _run_sections(cfg: BenchConfig) -> dict[str, Any]:
         if cfg.anatomy.enabled:
             with _timed_section(timings, "anatomy"):
                 result["anatomy"] = anatomy_section(cfg, recipe, setup, work, flops, peak)
+        if cfg.buckets.enabled:
+            with _timed_section(timings, "buckets"):
+                result["buckets"] = bench_buckets(cfg, recipe, setup, work)
         if cfg.step.text_store_at():
             with _timed_section(timings, "text_store"):
                 result["text_store"] = bench_text_store(recipe, setup, cfg.step, flops, cfg.seed)

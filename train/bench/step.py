@@ -106,11 +106,15 @@ def synthetic_latent_batch(
     batch_size: int,
     setup: DeviceSetup,
     seed: int,
+    bucket: tuple[int, int] | None = None,
 ) -> dict[str, torch.Tensor]:
     """A batch as the loader delivers it (float16 columns, int64 per-sample seeds), moved to the device like
-    Composer."""
+    Composer; at a bucket's (H, W) px of `resolution` if given."""
     gen = torch.Generator().manual_seed(seed)
-    latent = (batch_size, *preset.latent_shape(resolution))
+    channels, height, width = preset.latent_shape(resolution)
+    if bucket is not None:  # the VAE downsamples by resolution / height
+        height, width = bucket[0] * height // resolution, bucket[1] * width // resolution
+    latent = (batch_size, channels, height, width)
     batch = {
         LATENT_MEAN: torch.randn(latent, generator=gen).half(),
         LATENT_LOGVAR: torch.full(latent, SYNTHETIC_LOGVAR).half(),

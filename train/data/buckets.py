@@ -15,6 +15,7 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from shared.buckets import landscape_and_portrait
 from shared.contract import SHARD_HASH
 from train.data.streaming_host import DataError
 
@@ -149,14 +150,8 @@ def sample_buckets(pinned: list[PinnedData]) -> dict[str, tuple[int, int, int]]:
         if not data.buckets or not info.buckets:
             continue
         shapes = info.bucket_shapes(data.resolution)
-        out = {}
-        for wide in (True, False):
-            names = [n for n in data.buckets if (shapes[n].latent[2] > shapes[n].latent[1]) == wide]
-            names = [n for n in names if shapes[n].latent[1] != shapes[n].latent[2]]
-            if names:
-                best = max(names, key=lambda n: info.buckets[n]["num_samples"])  # type: ignore[index]
-                out[best] = shapes[best].latent
-        return out
+        counts = {name: info.buckets[name]["num_samples"] for name in data.buckets}
+        return {name: shapes[name].latent for name in landscape_and_portrait(counts)}
     return {}
 
 

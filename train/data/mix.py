@@ -171,19 +171,27 @@ def streams_to_streaming(streams: list[PinnedStream], download_timeout: float) -
 
 
 # ------------------------------------------------------------------------------------------ planner
+def _planned_streams(
+    cfg: DataConfig, seed: int
+) -> tuple[list[StreamConfig], list[DatasetManifest], list[Any], list[int]]:
+    """(streams, their manifests, their resolution infos, samples each gives per epoch) for the planner;
+    raises what reading a manifest raises."""
+    streams = cfg.streams or [StreamConfig(uri=cfg.uri, version=cfg.version)]
+    manifests = [read_manifest(s.uri.rstrip("/"), s.version) for s in streams]
+    infos = [m.resolutions[cfg.resolution] for m in manifests]
+    counts = epoch_counts([s.weight() for s in streams], [i.num_samples for i in infos], cfg.epoch_size, seed)
+    return streams, manifests, infos, counts
+
+
 def plan_lines(cfg: DataConfig, seed: int) -> list[str]:
     """For `train launch --dry-run`: the epoch size, and per stream its samples, stored bytes and the
     samples and bytes it gives per epoch (read from each manifest; unreadable data says so)."""
     if not cfg.streams and not cfg.uri:
         return ["data: counts unavailable (no data.uri given yet)"]
-    streams = cfg.streams or [StreamConfig(uri=cfg.uri, version=cfg.version)]
     try:
-        manifests = [read_manifest(s.uri.rstrip("/"), s.version) for s in streams]
-        infos = [m.resolutions[cfg.resolution] for m in manifests]
+        streams, manifests, infos, counts = _planned_streams(cfg, seed)
     except Exception as err:  # best effort, like the text.store line (S3 errors are not all OSError)
         return [f"data: counts unavailable ({type(err).__name__}: {err})"]
-    sizes = [i.num_samples for i in infos]
-    counts = epoch_counts([s.weight() for s in streams], sizes, cfg.epoch_size, seed)
     total = sum(counts) or 1
     lines = [
         f"data: {len(streams)} stream(s) at {cfg.resolution} px, epoch {sum(counts)} samples"
@@ -203,13 +211,33 @@ def plan_lines(cfg: DataConfig, seed: int) -> list[str]:
     return lines
 
 
+def bucket_cost_factor(buckets: dict[str, dict[str, int]], resolution: int) -> float:
+    """What a bucketed dataset's average step costs against a square step at `resolution`: U-Net FLOPs scale
+    with pixels, so a bucket of H x W px costs H*W / resolution^2, weighted by the bucket's samples."""
+    counts = {name: b["num_samples"] for name, b in buckets.items()}
+    pixels = sum(n * math.prod(int(v) for v in name.split("x")) for name, n in counts.items())
+    return pixels / ((sum(counts.values()) or 1) * resolution * resolution)
+
+
 def bucket_line(buckets: dict[str, dict[str, int]], resolution: int) -> str:
-    """A bucketed dataset's mix for the dry run: each bucket's share and what a step costs against squares
-    (U-Net FLOPs scale with pixels: a bucket of H x W px costs H*W / resolution^2 of a square's step)."""
+    """A bucketed dataset's mix for the dry run: each bucket's share and what a step costs against squares."""
     counts = {name: b["num_samples"] for name, b in buckets.items()}
     total = sum(counts.values()) or 1
-    pixels = sum(n * math.prod(int(v) for v in name.split("x")) for name, n in counts.items())
     shares = ", ".join(f"{name} {n} ({100 * n / total:.1f}%)" for name, n in counts.items())
-    factor = pixels / (total * resolution * resolution)
+    factor = bucket_cost_factor(buckets, resolution)
     cost = f"compute x{factor:.3f} of square {resolution} px steps (FLOPs scale with pixels)"
     return f"    buckets: {shares}; {cost}"
+
+
+def data_cost_factor(cfg: DataConfig, seed: int) -> float:
+    """The run's compute per sample against square samples at data.resolution, over its epoch's mix: each
+    stream's bucket factor weighted by the samples it gives per epoch (1.0 for square-only data, or when a
+    manifest cannot be read: the dry run's data line says why)."""
+    if not cfg.streams and not cfg.uri:
+        return 1.0
+    try:
+        _, _, infos, counts = _planned_streams(cfg, seed)
+    except Exception:  # best effort, as plan_lines
+        return 1.0
+    factors = [bucket_cost_factor(i.buckets, cfg.resolution) if i.buckets else 1.0 for i in infos]
+    return sum(f * n for f, n in zip(factors, counts, strict=True)) / (sum(counts) or 1)

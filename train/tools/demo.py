@@ -12,6 +12,7 @@ Rerunning is cheap: encode finds its output up to date and training resumes from
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import time
@@ -59,6 +60,23 @@ class DemoPaths:
     def loss(self) -> Path:
         return self.root / "loss.png"
 
+    def bucket_samples(self, bucket: str) -> Path:
+        """The grid at one aspect-ratio bucket's shape ("HxW" px), beside the square samples.png."""
+        return self.root / f"samples-{bucket}.png"
+
+
+def bucket_sample_shapes(pipeline: Path) -> dict[str, tuple[int, int]]:
+    """ "HxW" -> (height, width) px of the landscape and the portrait bucket the exported U-Net saw most (its
+    buckets.json, written by export for bucketed data); {} for a square-only model."""
+    from shared.buckets import landscape_and_portrait, parse_bucket
+    from train.export.pipeline import BUCKETS_FILE
+
+    path = pipeline / BUCKETS_FILE
+    if not path.exists():
+        return {}
+    counts = json.loads(path.read_text())["buckets"]
+    return {name: parse_bucket(name) for name in landscape_and_portrait(counts)}
+
 
 def build_data(paths: DemoPaths) -> Path:
     from encode.sample_data import build_webdataset
@@ -99,7 +117,10 @@ def train_model(paths: DemoPaths, max_duration: str | None) -> None:
         print(f"training in {paths.train} already finished: reusing it (--fresh starts over)", flush=True)
 
 
-def export_and_generate(paths: DemoPaths) -> None:
+def export_and_generate(paths: DemoPaths) -> list[Path]:
+    """Export the run, then render the demo prompts into samples.png; a bucketed run also into one grid
+    per landscape / portrait bucket (issue 32: the model draws at the shapes it trained on). Returns those
+    extra grids."""
     import torch
     from diffusers import StableDiffusionPipeline
 
@@ -112,18 +133,23 @@ def export_and_generate(paths: DemoPaths) -> None:
         str(paths.pipeline), local_files_only=True, low_cpu_mem_usage=False
     )
     pipe.set_progress_bar_config(disable=True)
-    generator = torch.Generator().manual_seed(0)
-    images = pipe(
-        [p for p in DEMO_PROMPTS for _ in range(IMAGES_PER_PROMPT)],
-        num_inference_steps=SAMPLE_STEPS,
-        guidance_scale=GUIDANCE,
-        generator=generator,
-        output_type="pt",
-    ).images
     step = re.search(r"-ba(\d+)", result.checkpoint)
     title = f"{'step ' + step.group(1) + ', ' if step else ''}guidance {GUIDANCE:g}, {SAMPLE_STEPS} steps"
-    pixels = (images * 255).round().to(torch.uint8)
-    save_grid(pixels, str(paths.samples), IMAGES_PER_PROMPT, DEMO_PROMPTS, f"{title} ({result.weights})")
+    grids = {paths.samples: ("", None), **{paths.bucket_samples(n): (f", {n} px", hw) for n, hw in
+             bucket_sample_shapes(paths.pipeline).items()}}  # fmt: skip
+    for path, (shape, size) in grids.items():
+        images = pipe(
+            [p for p in DEMO_PROMPTS for _ in range(IMAGES_PER_PROMPT)],
+            num_inference_steps=SAMPLE_STEPS,
+            guidance_scale=GUIDANCE,
+            generator=torch.Generator().manual_seed(0),  # the same starting noise seed for every grid
+            output_type="pt",
+            **({"height": size[0], "width": size[1]} if size else {}),
+        ).images
+        pixels = (images * 255).round().to(torch.uint8)
+        caption = f"{title}{shape} ({result.weights})"
+        save_grid(pixels, str(path), IMAGES_PER_PROMPT, DEMO_PROMPTS, caption)
+    return [path for path in grids if path != paths.samples]
 
 
 def plot_loss(paths: DemoPaths) -> None:
@@ -153,7 +179,7 @@ def run_demo(
     step("3/4 train (tiny U-Net, 64 px latents)")
     train_model(paths, max_duration)
     step("4/4 export + generate with diffusers' StableDiffusionPipeline")
-    export_and_generate(paths)
+    bucket_grids = export_and_generate(paths)
     plot_loss(paths)
     print(f"\ndone in {time.perf_counter() - start:.0f} s")
     print(f"  sample data      {paths.data}")
@@ -161,5 +187,7 @@ def run_demo(
     print(f"  checkpoints      {paths.train}  (metrics.jsonl, logs/, samples/)")
     print(f"  diffusers model  {paths.pipeline}  (StableDiffusionPipeline.from_pretrained)")
     print(f"  generated grid   {paths.samples}  (one labelled row per prompt: {'; '.join(DEMO_PROMPTS)})")
+    for grid in bucket_grids:  # bucketed data: the same prompts at a landscape and a portrait bucket
+        print(f"  bucket grid      {grid}  (the same prompts at {grid.stem.removeprefix('samples-')} px)")
     print(f"  loss curve       {paths.loss}")
     return paths

@@ -48,6 +48,9 @@ MINIMAL = [
     "anatomy.variant_repeats=1",
     "encode.vae_resolutions=[64]",
     "encode.vae_batch_size=2",
+    "buckets.bucket_step=16",  # 64 px: 80x48, 64x64, 48x80 (at step 64 only the square)
+    "buckets.repeats=1",
+    "buckets.loader_rows=2",
 ]
 # A schedule at the resolutions measured, so the planner needs nothing the minimal bench leaves out.
 SCHEDULE = "schedule=[{resolution: 64, samples: 1000000}, {resolution: 128, samples: 1000000}]"
@@ -108,6 +111,26 @@ def test_bench_writes_markdown_table(bench_run: tuple[dict[str, Any], Path]) -> 
     assert all(f"- {note}" in text for note in result["findings"])
 
 
+def test_bench_reports_each_bucket(bench_run: tuple[dict[str, Any], Path]) -> None:
+    """Issue 32: the step at each bucket's shape, the compiled U-Net's graphs over the buckets (eager
+    backend: dynamo's graphs), and train's loader over a bucketed dataset, with no bucketed data given."""
+    result, out = bench_run
+    buckets = result["buckets"]
+    assert buckets["resolution"] == 64 and list(buckets["steps"]) == ["80x48", "64x64", "48x80"]
+    assert all(positive(s["images_per_s_per_device"]) for s in buckets["steps"].values())
+    assert buckets["steps"]["48x80"]["pixels_vs_square"] == pytest.approx(3840 / 4096)
+    compiled = buckets["compile"]
+    assert compiled["backend"] == "eager" and compiled["buckets"] == 3
+    assert 3 <= compiled["graphs"] <= compiled["graph_bound"]  # one graph set per bucket, no more
+    assert compiled["recompiles"] == 2 * compiled["graphs_by_bucket"]["80x48"]
+    assert compiled["graphs_second_round"] == 0  # every bucket kept its graphs
+    assert positive(buckets["loader"]["images_per_s"]) and buckets["loader"]["rows_per_bucket"] == 2
+    assert torch._dynamo.config.automatic_dynamic_shapes  # the section restored dynamo's settings
+    text = (out / MARKDOWN_NAME).read_text()
+    assert "step at bucket 48x80 (64 px, batch 1)" in text and "loader over 3 buckets (per_stream)" in text
+    assert "compiled U-Net over 3 buckets (eager)" in text
+
+
 def test_planner_reads_the_bench_json(bench_run: tuple[dict[str, Any], Path]) -> None:
     result, out = bench_run
     path = str(out / JSON_NAME)
@@ -153,6 +176,10 @@ def test_config_rejects_unknown_keys_and_impossible_sizes() -> None:
         load_bench_config("quick", ["loader.rows=3", "step.batch_size=2"])
     with pytest.raises(ConfigError, match="not a multiple"):
         load_bench_config("quick", ["step.resolutions=[250]"])
+    with pytest.raises(ConfigError, match=r"buckets\.buckets: 100x60"):
+        load_bench_config("quick", ["buckets.buckets=[100x60]"])  # not multiples of the VAE's 8 px
+    with pytest.raises(ConfigError, match=r"buckets\.loader_rows"):
+        load_bench_config("quick", ["buckets.loader_rows=1", "step.batch_size=2"])
 
 
 @pytest.mark.parametrize("name", ["quick", "full", "sd2-base-cpu"])

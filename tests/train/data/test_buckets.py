@@ -147,6 +147,34 @@ def test_dry_run_prices_the_bucket_mix(tiny_bucketed_dataset: str, tmp_path: Pat
     assert "buckets: 80x48 16 (28.6%), 64x64 24 (42.9%), 48x80 16 (28.6%); compute x0.964" in lines[-1]
 
 
+def test_dry_run_estimate_prices_the_bucket_mix_by_pixels(
+    tiny_bucketed_dataset: str, tiny_dataset: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The run's time and cost count a bucketed epoch's FLOPs, not square steps (issue 32)."""
+    import re
+
+    from shared.config import load_config
+    from train import launch
+    from train.config import TrainConfig
+    from train.data.mix import data_cost_factor
+
+    bucketed = tiny_config(tiny_bucketed_dataset, tmp_path / "save", tmp_path / "cache")
+    assert data_cost_factor(bucketed.data, 17) == pytest.approx((32 * 3840 + 24 * 4096) / (56 * 4096))
+    assert data_cost_factor(tiny_config(tiny_dataset, tmp_path / "s", tmp_path / "c").data, 17) == 1.0
+    # sd2-base at 256 px is what the planner has a throughput for; its data stands in for a bucket mix
+    sd2 = load_config(TrainConfig, "sd2-base-256", ["max_duration=1000ba", "data.uri="], kind="train")
+
+    def gpu_hours(factor: float) -> tuple[str, float]:
+        monkeypatch.setattr(launch, "data_cost_factor", lambda data, seed: factor)
+        line = launch.run_estimate_line(sd2, 256, "A100-40GB")
+        return line, float(re.search(r"([\d,.]+) GPU-hours", line).group(1).replace(",", ""))
+
+    (square, square_h), (mixed, mixed_h) = gpu_hours(1.0), gpu_hours(0.75)
+    assert "bucket mix" not in square
+    assert "(bucket mix: compute x0.750, priced as " in mixed
+    assert mixed_h == pytest.approx(0.75 * square_h, rel=0.02)
+
+
 def test_counts_reach_the_last_step_when_per_stream_shortens_the_epoch(tmp_path: Path) -> None:
     """Buckets of 12, 20 and 12 rows give 1 + 2 + 1 full batches of 8, not the 5 (= 44 // 8) Composer
     expects an epoch to hold: the 1-epoch run ends at step 4, which still carries the counts."""
