@@ -8,8 +8,6 @@ import shutil
 
 import typer
 
-from shared.launch.control import EXIT_RESUMABLE
-
 HELP_WIDTH = shutil.get_terminal_size((120, 24)).columns  # COLUMNS, the terminal, or 120 when piped
 app = typer.Typer(
     add_completion=False,
@@ -79,7 +77,7 @@ def fit(
     _setup_logging()
     from train.checkpoints.record import DatasetChangedError
     from train.loop.trainer import fit as run_fit
-    from train.resilience.exits import ResumableStop, record_fatal
+    from train.resilience.exits import ResumableStop, record_fatal, resumable_exit_code
 
     try:
         cfg = load_config(TrainConfig, config, overrides or [], kind="train")
@@ -87,7 +85,7 @@ def fit(
         trainer = run_fit(cfg)
     except ResumableStop as stop:
         typer.echo(str(stop), err=True)
-        raise typer.Exit(EXIT_RESUMABLE) from None
+        raise typer.Exit(resumable_exit_code()) from None
     except (*_user_errors(), DatasetChangedError) as err:
         record_fatal(err)  # the supervisor stops instead of restarting (shared/launch/supervisor.py)
         _fail(err)

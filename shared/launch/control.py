@@ -3,10 +3,11 @@
 The supervisor creates the folder and passes it to every rank as $SD_CONTROL_DIR (torchrun hands its
 environment on). The ranks write; the supervisor reads, except `stop`, which goes the other way:
 - `heartbeat-rank<R>`: "<batch> <pid>", rewritten after every step; its mtime is the rank's last sign of life.
-- `progress.json` (global rank 0): the last batch and the checkpoint saved, so a supervisor that gives up can
-  name what a rerun resumes from.
-- `exit.json` (global rank 0): why the ranks stopped when they stopped on purpose (`resumable`: saved on a
-  signal or a deadline; `fatal`: an error no restart can fix, with its message).
+- `progress.json` (local rank 0, so every node's supervisor has one): the last batch and the checkpoint
+  saved, so a supervisor that gives up can name what a rerun resumes from.
+- `exit.json` (local rank 0): why the ranks stopped when they stopped on purpose (`resumable`: saved on a
+  signal or a deadline; `fatal`: an error no restart can fix, with its message). After a resumable stop the
+  ranks exit 0 (torchrun's elastic agent restarts ranks that exit otherwise) and the supervisor exits 75.
 - `stop`: the supervisor's request to save and exit (it got SIGTERM / SIGUSR1); every rank looks for it at
   the step boundary and the ranks agree on it with one all-reduce.
 $SD_DEADLINE (seconds since the epoch) is when the ranks must have saved and stopped (a Slurm job's end time
@@ -33,6 +34,14 @@ EXIT_DONE = 0
 EXIT_GAVE_UP = 1  # restarts spent, or the same failure again at the same step: a person has to look
 EXIT_FATAL = 2  # a config / data / NaN error that no restart fixes; the message names it
 EXIT_RESUMABLE = 75  # saved and stopped on a signal or a deadline (EX_TEMPFAIL): rerun the same command
+
+
+def adopt_agent_node_rank(environ: dict[str, str] | os._Environ[str] = os.environ) -> None:
+    """Under torchrun's elastic agent the rendezvous numbers the nodes (GROUP_RANK, and RANK follows it), not
+    the launcher: Composer's NODE_RANK (per-node file names) must agree with it, so a rank takes it from
+    there. Without an agent (a Slurm array task, a test) NODE_RANK stays as the launcher set it."""
+    if "GROUP_RANK" in environ:
+        environ["NODE_RANK"] = environ["GROUP_RANK"]
 
 
 def control_dir() -> Path | None:

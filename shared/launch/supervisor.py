@@ -13,6 +13,11 @@ Ctrl-C or a TERM to the launch's process group reaches only this process):
   node restarts as after a crash.
 - an error no restart fixes (rank 0 records it as `fatal`), or a failure at the same step as the previous
   one: stop at once with its message and the checkpoint a rerun resumes from.
+Several nodes (`elastic`): torchrun's elastic agent restarts the ranks, every node's together
+(`--max-restarts`, a `c10d` rendezvous), so the supervisor never restarts torchrun; it watches. New
+processes writing the heartbeats while the previous ones are gone are a restart (logged; two from the
+same step are a crash loop: it stops torchrun, which ends the rendezvous for every node); a hang SIGKILLs
+this node's ranks (not torchrun), so the agents restart every node; signals and deadlines work as above.
 The files it shares with the ranks are described in shared/launch/control.py.
 """
 
@@ -31,10 +36,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shared.launch import control
+from shared.launch.elastic import Generations
 
 STACK_TIMEOUT_S = 30  # py-spy reads a process's memory; a few seconds even for a large one
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 CONTROL_PREFIX = "sd-control-"
+# How long the surviving nodes' agents wait in a new rendezvous round for a lost node's replacement before
+# torchrun stops (torchrun's own join_timeout default, passed explicitly so the plan and the docs name it).
+REJOIN_TIMEOUT_S = 600
 
 
 @dataclass(frozen=True)
@@ -47,6 +56,8 @@ class Supervision:
     # Seconds before a scheduler's end time by which the ranks must have saved (Slurm: from EndTime).
     deadline_lead_s: float = 120.0
     poll_s: float = 0.5
+    # Several nodes: torchrun's elastic agent restarts the ranks (module doc); the supervisor only watches.
+    elastic: bool = False
 
     def flags(self) -> list[str]:
         """The same settings as `python -m shared.launch.supervise` flags (sbatch scripts, pod commands)."""
@@ -54,6 +65,8 @@ class Supervision:
         out.append(f"--deadline-lead-s={self.deadline_lead_s:g}")
         if self.max_wall_time_s is not None:
             out.append(f"--max-wall-time-s={self.max_wall_time_s:g}")
+        if self.elastic:
+            out.append("--elastic")
         return out
 
 
@@ -113,6 +126,23 @@ def stack_of(pid: int) -> str:
         return f"unreadable: {err}"
 
 
+def alive(pid: int) -> bool:
+    """A process that still runs (or is stopped); a zombie waiting for its parent counts as gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+
+
+def stopped(pid: int) -> bool:
+    """Stopped by a signal (SIGSTOP, SIGTSTP) or a tracer: it cannot answer anything until SIGCONT."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except OSError:
+        return False
+
+
 def kill_all(pids: Sequence[int]) -> None:
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
@@ -159,7 +189,7 @@ class Supervisor:
     def run(self) -> int:
         previous = {sig: signal.signal(sig, self.on_signal) for sig in STOP_SIGNALS}
         try:
-            return self._loop()
+            return self._watch_elastic() if self.supervision.elastic else self._loop()
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
@@ -192,6 +222,59 @@ class Supervisor:
                 f"{restarts}/{self.supervision.max_restarts} from {where}"
             )
 
+    # ------------------------------------------------------------------ several nodes: torchrun restarts
+    def _watch_elastic(self) -> int:
+        """One torchrun for the whole launch; its agent restarts every node's ranks (module doc)."""
+        control.clear_attempt(self.folder)
+        self.proc = subprocess.Popen(self.argv, env=self.attempt_env(), start_new_session=True)
+        gens = Generations()
+        while self.proc.poll() is None:
+            time.sleep(self.supervision.poll_s)
+            code = self.elastic_poll(gens)
+            if code is not None:  # stopping torchrun ends the rendezvous, so every node stops
+                kill_all([*descendants(self.proc.pid), self.proc.pid])
+                self.proc.wait()
+                return code
+        outcome = self.classify(self.proc.returncode, gens.batch)
+        code = self.final_code(outcome)
+        if code is not None:
+            return code
+        self.log(
+            f"torchrun stopped at step {outcome.batch} after {gens.restarts} restart(s) ({outcome.detail}): "
+            f"its restarts (resilience.max_restarts={self.supervision.max_restarts}) are spent, or a lost "
+            f"node was not replaced within {REJOIN_TIMEOUT_S} s. A rerun resumes from {self.resume_point()}"
+        )
+        return control.EXIT_GAVE_UP
+
+    def elastic_poll(self, gens: Generations) -> int | None:
+        """One look at the ranks: an exit code to stop with, or None to keep watching."""
+        record = control.read_json(self.folder / control.EXIT_FILE) or {}
+        if record.get("state") == "fatal":
+            self.log(f"a restart cannot fix this, stopping every node: {record.get('message', '')}")
+            return control.EXIT_FATAL
+        beats = control.read_heartbeats(self.folder)
+        ended = gens.observe(beats, alive)
+        if ended is not None:
+            where = self.resume_point()
+            if not gens.restarted(ended):
+                self.log(
+                    f"{gens.cause} again at step {ended}, as before the last restart: a restart will not fix "
+                    f"it; stopping every node. A rerun resumes from {where}"
+                )
+                return control.EXIT_GAVE_UP
+            self.log(
+                f"{gens.cause} at step {ended}: torchrun restarted every node's ranks, restart "
+                f"{gens.restarts}/{self.supervision.max_restarts} from {where}"
+            )
+            gens.cause = "crash"
+        hung = gens.hung(beats, alive, time.time(), self.supervision.hang_timeout_s)
+        if hung:  # kill this node's ranks, not torchrun: its agent then restarts every node's ranks
+            self.log_stacks(hung, {beat.pid: beat.rank for beat in beats if beat.pid in gens.pids})
+            assert self.proc is not None
+            kill_all(descendants(self.proc.pid))
+            gens.cause = "hang"
+        return None
+
     def final_code(self, outcome: Outcome) -> int | None:
         """The supervisor's exit code when this outcome ends the launch; None: restart."""
         if outcome.kind == "done":
@@ -219,10 +302,7 @@ class Supervisor:
         control.clear_attempt(self.folder)
         if self.stop_reason is not None:  # a signal between two attempts still stops the next one
             control.request_stop(self.folder, self.stop_reason)
-        env = {**self.env, control.CONTROL_DIR_ENV: str(self.folder)}
-        if self.deadline is not None:
-            env[control.DEADLINE_ENV] = f"{self.deadline:.3f}"
-        self.proc = subprocess.Popen(self.argv, env=env, start_new_session=True)
+        self.proc = subprocess.Popen(self.argv, env=self.attempt_env(), start_new_session=True)
         hung = None
         while self.proc.poll() is None and hung is None:
             time.sleep(self.supervision.poll_s)
@@ -236,6 +316,12 @@ class Supervisor:
             )
         return self.classify(self.proc.returncode, batch)
 
+    def attempt_env(self) -> dict[str, str]:
+        env = {**self.env, control.CONTROL_DIR_ENV: str(self.folder)}
+        if self.deadline is not None:
+            env[control.DEADLINE_ENV] = f"{self.deadline:.3f}"
+        return env
+
     def stale_ranks(self) -> list[int] | None:
         """Ranks whose last step is older than hang_timeout_s (None: all alive or not started stepping)."""
         now = time.time()
@@ -247,11 +333,13 @@ class Supervisor:
         return stale or None
 
     def classify(self, returncode: int, batch: int) -> Outcome:
+        """The ranks' own record first: under a supervisor they exit 0 after a resumable stop (torchrun's
+        elastic agent would restart ranks that exit otherwise), and the supervisor exits 75 for them."""
         record = control.read_json(self.folder / control.EXIT_FILE) or {}
-        if returncode == 0:
-            return Outcome("done", batch)
         if record.get("state") in ("resumable", "fatal"):
             return Outcome(record["state"], int(record.get("batch", batch)), str(record.get("message", "")))
+        if returncode == 0:
+            return Outcome("done", batch)
         return Outcome("crash", batch, f"torchrun exited {returncode}")
 
     def tear_down(self, hung: list[int]) -> None:
@@ -259,8 +347,16 @@ class Supervisor:
         assert self.proc is not None
         procs = descendants(self.proc.pid)
         ranks = {beat.pid: beat.rank for beat in control.read_heartbeats(self.folder)}
-        self.log(f"rank(s) {hung} hung (no step for {self.supervision.hang_timeout_s:g} s); stacks follow")
-        for pid, rank in sorted(ranks.items(), key=lambda item: item[1]):
-            self.log(f"--- rank {rank} (pid {pid}) ---\n{stack_of(pid)}")
+        self.log_stacks(hung, ranks)
         kill_all([*procs, self.proc.pid])
         self.proc.wait()
+
+    def log_stacks(self, hung: list[int], ranks: Mapping[int, int]) -> None:
+        """`ranks`: pid -> rank. Names the stopped ones: they hold everyone else in a collective."""
+        held = [f"rank {rank} (pid {pid})" for pid, rank in sorted(ranks.items()) if stopped(pid)]
+        why = f"; {', '.join(held)} is stopped (SIGSTOP or a tracer)" if held else ""
+        self.log(
+            f"rank(s) {hung} hung (no step for {self.supervision.hang_timeout_s:g} s){why}; stacks follow"
+        )
+        for pid, rank in sorted(ranks.items(), key=lambda item: item[1]):
+            self.log(f"--- rank {rank} (pid {pid}) ---\n{stack_of(pid)}")

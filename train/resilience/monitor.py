@@ -130,7 +130,7 @@ class StopAfterSave(Callback):
         if saved:
             self.monitor.last_save = time.monotonic()
             folder = self.monitor.folder
-            if folder is not None and dist.get_global_rank() == 0:
+            if folder is not None and dist.get_local_rank() == 0:  # each node's supervisor reads its own
                 control.write_json(
                     folder / control.PROGRESS_FILE, {"saved_batch": batch, "checkpoint": checkpoint}
                 )
@@ -138,7 +138,7 @@ class StopAfterSave(Callback):
         if reason is None or at_end(state):  # the last step: saved, and the run ends by itself
             return
         stop = ResumableStop(batch, reason, checkpoint)
-        if dist.get_global_rank() == 0:
+        if dist.get_local_rank() == 0:
             record_exit("resumable", batch, str(stop))
         raise stop
 
