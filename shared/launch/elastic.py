@@ -54,5 +54,8 @@ class Generations:
         return sorted(
             beat.rank
             for beat in beats
-            if beat.pid in self.pids and alive(beat.pid) and now - beat.mtime > timeout_s
+            if beat.pid in self.pids
+            and not beat.finished
+            and alive(beat.pid)
+            and now - beat.mtime > timeout_s
         )

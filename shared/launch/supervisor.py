@@ -37,6 +37,7 @@ from pathlib import Path
 
 from shared.launch import control
 from shared.launch.elastic import Generations
+from shared.storage.safety import NODE_TMPDIR_ENV
 
 STACK_TIMEOUT_S = 30  # py-spy reads a process's memory; a few seconds even for a large one
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
@@ -317,7 +318,13 @@ class Supervisor:
         return self.classify(self.proc.returncode, batch)
 
     def attempt_env(self) -> dict[str, str]:
+        """The ranks' environment: the control folder, the deadline, and a scratch TMPDIR removed with the
+        control folder (nothing the run's processes put in a temp folder outlives the launch)."""
+        scratch = self.folder / control.SCRATCH_DIR
+        scratch.mkdir(exist_ok=True)
+        node_tmp = self.env.get(NODE_TMPDIR_ENV) or self.env.get("TMPDIR") or tempfile.gettempdir()
         env = {**self.env, control.CONTROL_DIR_ENV: str(self.folder)}
+        env.update({"TMPDIR": str(scratch), NODE_TMPDIR_ENV: node_tmp})
         if self.deadline is not None:
             env[control.DEADLINE_ENV] = f"{self.deadline:.3f}"
         return env
@@ -328,7 +335,7 @@ class Supervisor:
         stale = [
             b.rank
             for b in control.read_heartbeats(self.folder)
-            if now - b.mtime > self.supervision.hang_timeout_s
+            if not b.finished and now - b.mtime > self.supervision.hang_timeout_s
         ]
         return stale or None
 

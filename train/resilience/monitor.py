@@ -80,6 +80,12 @@ class ResilienceMonitor(Callback):
         self.last_save = time.monotonic()
         self.group = flag_group()
 
+    def fit_end(self, state: State, logger: Logger) -> None:
+        # Training is over: the close that follows (the last checkpoint's upload, Composer's barrier) may
+        # take longer than hang_timeout_s, and is not a hang.
+        if self.folder is not None:
+            control.write_heartbeat(self.folder, dist.get_global_rank(), int(state.timestamp.batch), True)
+
     def _on_signal(self, signum: int, frame: Any) -> None:
         self.signalled = signal.Signals(signum).name
 
