@@ -45,6 +45,11 @@ CONTROL_PREFIX = "sd-control-"
 # How long the surviving nodes' agents wait in a new rendezvous round for a lost node's replacement before
 # torchrun stops (torchrun's own join_timeout default, passed explicitly so the plan and the docs name it).
 REJOIN_TIMEOUT_S = 600
+# torch 2.7's c10d rendezvous hands the ranks of every round the TCPStore of its first round by default:
+# keys of the dead generation stay in it (gloo's connectFullMesh then dials dead ranks: 4 failed restarts
+# in a row in the two-node test), and it dies with the node that hosted it. With this set, rank 0 of each
+# new round hosts a fresh store.
+ELASTIC_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
 @dataclass(frozen=True)
@@ -256,6 +261,9 @@ class Supervisor:
         beats = control.read_heartbeats(self.folder)
         ended = gens.observe(beats, alive)
         if ended is not None:
+            # A record of the generation torchrun replaced is void (its ranks may have saved on torchrun's
+            # own SIGTERM while it stopped them for the restart).
+            (self.folder / control.EXIT_FILE).unlink(missing_ok=True)
             where = self.resume_point()
             if not gens.restarted(ended):
                 self.log(
@@ -325,6 +333,8 @@ class Supervisor:
         node_tmp = self.env.get(NODE_TMPDIR_ENV) or self.env.get("TMPDIR") or tempfile.gettempdir()
         env = {**self.env, control.CONTROL_DIR_ENV: str(self.folder)}
         env.update({"TMPDIR": str(scratch), NODE_TMPDIR_ENV: node_tmp})
+        if self.supervision.elastic:
+            env.update(ELASTIC_ENV)
         if self.deadline is not None:
             env[control.DEADLINE_ENV] = f"{self.deadline:.3f}"
         return env
