@@ -23,7 +23,6 @@ The files it shares with the ranks are described in shared/launch/control.py.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import signal
@@ -36,10 +35,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shared.launch import control
-from shared.launch.elastic import Generations
+from shared.launch.ranks import (
+    Generations,
+    alive,
+    descendants,
+    forget_shm,
+    kill_all,
+    kill_ranks_first,
+    mapped_shm,
+    stack_of,
+    stopped,
+)
 from shared.storage.safety import NODE_TMPDIR_ENV
 
-STACK_TIMEOUT_S = 30  # py-spy reads a process's memory; a few seconds even for a large one
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 CONTROL_PREFIX = "sd-control-"
 # How long the surviving nodes' agents wait in a new rendezvous round for a lost node's replacement before
@@ -85,76 +93,6 @@ class Outcome:
     detail: str = ""
 
 
-def descendants(pid: int) -> list[int]:
-    """Every process below `pid`, from /proc (torchrun starts its ranks in sessions of their own, so a
-    process-group kill misses them)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(entry.name))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
-def py_spy() -> str | None:
-    beside = Path(sys.executable).parent / "py-spy"
-    return str(beside) if beside.exists() else shutil.which("py-spy")
-
-
-def stack_of(pid: int) -> str:
-    """A process's Python stacks, taken from outside (works on a stopped or wedged process)."""
-    tool = py_spy()
-    if tool:
-        try:
-            done = subprocess.run(
-                [tool, "dump", "--pid", str(pid), "--nonblocking"],
-                capture_output=True, text=True, timeout=STACK_TIMEOUT_S, check=False,
-            )  # fmt: skip
-            if done.returncode == 0:
-                return done.stdout
-        except subprocess.TimeoutExpired:
-            pass
-    try:  # without py-spy: the kernel's view (state and where it sleeps)
-        status = Path(f"/proc/{pid}/status").read_text().splitlines()
-        state = next((line for line in status if line.startswith("State:")), "State: ?")
-        wchan = Path(f"/proc/{pid}/wchan").read_text()
-        return f"{state}; waiting in {wchan or '?'} (install py-spy for Python stacks)"
-    except OSError as err:
-        return f"unreadable: {err}"
-
-
-def alive(pid: int) -> bool:
-    """A process that still runs (or is stopped); a zombie waiting for its parent counts as gone."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-
-
-def stopped(pid: int) -> bool:
-    """Stopped by a signal (SIGSTOP, SIGTSTP) or a tracer: it cannot answer anything until SIGCONT."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("T", "t")
-    except OSError:
-        return False
-
-
-def kill_all(pids: Sequence[int]) -> None:
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)  # SIGKILL also ends a SIGSTOPped process
-
-
 class Supervisor:
     """Runs `argv` (torchrun ...) until it finishes, stops on request, or gives up (see module doc)."""
 
@@ -178,6 +116,7 @@ class Supervisor:
             self.deadline = own if deadline is None else min(deadline, own)
         self.stop_reason: str | None = None
         self.proc: subprocess.Popen[bytes] | None = None
+        self.shm: set[str] = set()  # /dev/shm files the run's processes mapped (ranks.mapped_shm)
 
     # ------------------------------------------------------------------------------------------ signals
     def on_signal(self, signum: int, frame: object) -> None:
@@ -200,6 +139,18 @@ class Supervisor:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
             shutil.rmtree(self.folder, ignore_errors=True)
+            self.forget_shm()
+
+    def watch_shm(self) -> None:
+        assert self.proc is not None
+        self.shm |= mapped_shm(descendants(self.proc.pid))
+
+    def forget_shm(self) -> None:
+        """Unlink what the run's processes mapped in /dev/shm and no live process maps any more."""
+        in_use = mapped_shm(int(entry.name) for entry in Path("/proc").iterdir() if entry.name.isdigit())
+        removed = forget_shm(self.shm - in_use)
+        if removed:
+            self.log(f"removed {removed} file(s) the ranks left in /dev/shm (killed before they could)")
 
     def _loop(self) -> int:
         restarts, last_failure = 0, None
@@ -236,6 +187,7 @@ class Supervisor:
         gens = Generations()
         while self.proc.poll() is None:
             time.sleep(self.supervision.poll_s)
+            self.watch_shm()
             code = self.elastic_poll(gens)
             if code is not None:  # stopping torchrun ends the rendezvous, so every node stops
                 kill_all([*descendants(self.proc.pid), self.proc.pid])
@@ -280,7 +232,7 @@ class Supervisor:
         if hung:  # kill this node's ranks, not torchrun: its agent then restarts every node's ranks
             self.log_stacks(hung, {beat.pid: beat.rank for beat in beats if beat.pid in gens.pids})
             assert self.proc is not None
-            kill_all(descendants(self.proc.pid))
+            kill_ranks_first(self.proc.pid)
             gens.cause = "hang"
         return None
 
@@ -315,6 +267,7 @@ class Supervisor:
         hung = None
         while self.proc.poll() is None and hung is None:
             time.sleep(self.supervision.poll_s)
+            self.watch_shm()
             hung = self.stale_ranks()
         beats = control.read_heartbeats(self.folder)
         batch = max((beat.batch for beat in beats), default=-1)
@@ -365,6 +318,7 @@ class Supervisor:
         procs = descendants(self.proc.pid)
         ranks = {beat.pid: beat.rank for beat in control.read_heartbeats(self.folder)}
         self.log_stacks(hung, ranks)
+        kill_ranks_first(self.proc.pid)
         kill_all([*procs, self.proc.pid])
         self.proc.wait()
 
