@@ -229,6 +229,13 @@ def reference(
     yield tiny_dataset, save
 
 
+def test_the_uninterrupted_run_finishes_on_both_nodes_and_leaves_nothing_behind(
+    reference: tuple[str, str],
+) -> None:
+    """The fixture's own checks: both nodes exit 0, nothing left in their temp folders or /dev/shm."""
+    assert saved_batch(reference[1]) == MAX_BATCHES
+
+
 def assert_matches(reference: str, save: str) -> None:
     assert saved_batch(save) == MAX_BATCHES
     assert_same_weights(final_state(save), final_state(reference), WEIGHT_ATOL)
