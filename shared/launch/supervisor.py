@@ -213,9 +213,7 @@ class Supervisor:
         beats = control.read_heartbeats(self.folder)
         ended = gens.observe(beats, alive)
         if ended is not None:
-            # A record of the generation torchrun replaced is void (its ranks may have saved on torchrun's
-            # own SIGTERM while it stopped them for the restart).
-            (self.folder / control.EXIT_FILE).unlink(missing_ok=True)
+            self.void_old_record(beats, gens)
             where = self.resume_point()
             if not gens.restarted(ended):
                 self.log(
@@ -235,6 +233,17 @@ class Supervisor:
             kill_ranks_first(self.proc.pid)
             gens.cause = "hang"
         return None
+
+    def void_old_record(self, beats: list[control.Heartbeat], gens: Generations) -> None:
+        """An exit record older than the new generation's first heartbeat belongs to the generation torchrun
+        replaced (its ranks may have saved on torchrun's own SIGTERM while it stopped them): void."""
+        path = self.folder / control.EXIT_FILE
+        born = min((beat.mtime for beat in beats if beat.pid in gens.pids), default=None)
+        try:
+            if born is not None and path.stat().st_mtime < born:
+                path.unlink()
+        except FileNotFoundError:
+            pass
 
     def final_code(self, outcome: Outcome) -> int | None:
         """The supervisor's exit code when this outcome ends the launch; None: restart."""

@@ -144,6 +144,8 @@ class StopAfterSave(Callback):
         if reason is None or at_end(state):  # the last step: saved, and the run ends by itself
             return
         stop = ResumableStop(batch, reason, checkpoint)
+        if self.monitor.folder is not None:  # no more steps: the upload below is not a hang
+            control.write_heartbeat(self.monitor.folder, dist.get_global_rank(), batch, finished=True)
         finish_uploads(self.saver, state, logger)
         if dist.get_local_rank() == 0:
             record_exit("resumable", batch, str(stop))
