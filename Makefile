@@ -38,10 +38,10 @@ OUT ?= outputs
 
 # Launch knobs shared by `make train` and `make encode` (see docs/cluster.md).
 GPUS ?=
-LAUNCHER ?= local
+LAUNCHER ?= auto
 LAUNCH_FLAGS = --gpus $(or $(GPUS),1) --launcher $(LAUNCHER) $(if $(NODES),--nodes $(NODES)) \
 	$(if $(GPUS_PER_NODE),--gpus-per-node $(GPUS_PER_NODE)) $(if $(IMAGE),--image $(IMAGE)) \
-	$(if $(filter local,$(LAUNCHER)),$(if $(NODE_RANK),--node-rank $(NODE_RANK)) $(if $(MASTER_ADDR),--master-addr $(MASTER_ADDR))) \
+	$(if $(filter local auto,$(LAUNCHER)),$(if $(NODE_RANK),--node-rank $(NODE_RANK)) $(if $(MASTER_ADDR),--master-addr $(MASTER_ADDR))) \
 	$(if $(EFA),--efa) $(if $(DRY_RUN),--dry-run) $(LAUNCH_ARGS)
 
 .DEFAULT_GOAL := help
@@ -119,13 +119,13 @@ format: $(STAMP)  ## apply ruff fixes and formatting
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
-encode: $(STAMP)  ## make encode DATASET=<name|path.yaml> [GPUS=n LAUNCHER=local|slurm|k8s] [ARGS='k=v ..'] [DRY_RUN=1]
+encode: $(STAMP)  ## make encode DATASET=<name|path.yaml> [GPUS=n LAUNCHER=auto|local|slurm|k8s] [ARGS='k=v ..'] [DRY_RUN=1]
 	$(if $(GPUS)$(DRY_RUN),$(BIN)/python -m encode launch $(DATASET) $(LAUNCH_FLAGS) $(ARGS),$(BIN)/python -m encode run $(DATASET) $(ARGS))
 
 encode-gc: $(STAMP)  ## make encode-gc DATASET=... [ARGS='--keep 2 --dry-run']: drop old versions + unused data
 	$(BIN)/python -m encode gc $(DATASET) $(ARGS)
 
-train: $(STAMP)  ## make train [GPUS=256 NODES=.. LAUNCHER=local|slurm|k8s] CONFIG=<name|path.yaml> [ARGS='k=v ..'] [DRY_RUN=1]
+train: $(STAMP)  ## make train [GPUS=256 NODES=.. LAUNCHER=auto|local|slurm|k8s] CONFIG=<name|path.yaml> [ARGS='k=v ..'] [DRY_RUN=1]
 	$(if $(GPUS)$(DRY_RUN),$(BIN)/python -m train launch --config $(CONFIG) $(LAUNCH_FLAGS) $(ARGS),$(BIN)/python -m train fit $(CONFIG) $(ARGS))
 
 # `make export` alone exports the demo's run (what `make train` trains with CONFIG=tiny) to outputs/pipeline;

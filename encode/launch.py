@@ -16,34 +16,9 @@ import typer
 from encode.config import EncodeConfig
 from shared import storage
 from shared.config import load_config
-from shared.launch.cli import (
-    AccountOpt,
-    CpusPerRankOpt,
-    DryRunOpt,
-    EfaOpt,
-    GpusOpt,
-    ImageOpt,
-    LauncherChoice,
-    LauncherOpt,
-    MasterAddrOpt,
-    MasterPortOpt,
-    MemPerRankOpt,
-    NameOpt,
-    NamespaceOpt,
-    NodeRankOpt,
-    NodesOpt,
-    OverridesArg,
-    PartitionOpt,
-    PerNodeOpt,
-    SbatchOpt,
-    SecretOpt,
-    TimeOpt,
-    launch_options,
-    run_cli,
-)
+from shared.launch.cli import OverridesArg, launch_command
 from shared.launch.plan import (
     ARRAY_JOB_ID,
-    DEFAULT_MASTER_PORT,
     LaunchOptions,
     LaunchPlan,
     derive_topology,
@@ -98,29 +73,15 @@ def plan_encode(
     return plan
 
 
-def launch_command(
+@launch_command
+def launch(
     dataset: Annotated[str, typer.Argument(help="a name in jobs/datasets/ or a YAML path")],
     overrides: OverridesArg = None,
-    gpus: GpusOpt = 1,
-    nodes: NodesOpt = None,
-    gpus_per_node: PerNodeOpt = None,
-    launcher: LauncherOpt = LauncherChoice.local,
-    dry_run: DryRunOpt = False,
-    node_rank: NodeRankOpt = None,
-    master_addr: MasterAddrOpt = None,
-    master_port: MasterPortOpt = DEFAULT_MASTER_PORT,
-    name: NameOpt = None,
-    image: ImageOpt = None,
-    namespace: NamespaceOpt = None,
-    secret: SecretOpt = LaunchOptions.secret,
-    partition: PartitionOpt = None,
-    account: AccountOpt = None,
-    time_limit: TimeOpt = None,
-    efa: EfaOpt = False,
-    cpus_per_rank: CpusPerRankOpt = None,
-    mem_per_rank_gb: MemPerRankOpt = None,
-    sbatch_options: SbatchOpt = None,
-) -> None:
+    *,
+    options: LaunchOptions,
+) -> LaunchPlan:
     """Encode DATASET on GPUS ranks, then publish it once every rank is done (Slurm: a dependent job)."""
-    options = launch_options(locals())
-    run_cli(lambda: plan_encode(dataset, overrides or [], options()), dry_run)
+    return plan_encode(dataset, overrides or [], options)
+
+
+launch_command = launch  # the name encode/cli.py registers

@@ -9,7 +9,7 @@ import shutil
 
 import typer
 
-from shared.launch.control import EXIT_FATAL, EXIT_RESUMABLE
+from shared.launch.control import EXIT_FATAL
 from shared.runtime.exits import Stop, add_debug_option, guard_commands, main
 
 HELP_WIDTH = shutil.get_terminal_size((120, 24)).columns  # COLUMNS, the terminal, or 120 when piped
@@ -71,10 +71,11 @@ def _user_errors() -> tuple[type[Exception], ...]:
 
 def classify(err: BaseException) -> Stop | None:
     """Expected stops of train commands (shared/runtime/exits.py): the message names the fix; None: a bug."""
-    from train.resilience.exits import ResumableStop
+    from train.resilience.exits import ResumableStop, resumable_exit_code
 
     if isinstance(err, ResumableStop):  # saved on a signal or a deadline: one line (rank 0's), rerun
-        return Stop(EXIT_RESUMABLE, prefix="", quiet=int(os.environ.get("RANK", "0")) != 0)
+        # 75, or 0 under a supervisor that exits 75 itself (torchrun restarts ranks that exit non-zero)
+        return Stop(resumable_exit_code(), prefix="", quiet=int(os.environ.get("RANK", "0")) != 0)
     if isinstance(err, _user_errors()):
         return Stop(EXIT_FATAL)
     return None

@@ -12,7 +12,8 @@ from typing import Annotated
 
 import typer
 
-from shared.batching import Batching, derive_batching
+from shared import storage
+from shared.batching import Batching, BatchingError, derive_batching
 from shared.config import ConfigError, load_config
 from shared.estimate import estimate_for_plan
 from shared.estimate.cluster import (
@@ -30,41 +31,8 @@ from shared.estimate.cluster import (
     step_seconds,
 )
 from shared.estimate.model import dataset_text_store_line
-from shared.launch.cli import (
-    AccountOpt,
-    CpusPerRankOpt,
-    DryRunOpt,
-    EfaOpt,
-    GpusOpt,
-    GpuTypeOpt,
-    ImageOpt,
-    LauncherChoice,
-    LauncherOpt,
-    MasterAddrOpt,
-    MasterPortOpt,
-    MemPerRankOpt,
-    NameOpt,
-    NamespaceOpt,
-    NodeRankOpt,
-    NodesOpt,
-    OverridesArg,
-    PartitionOpt,
-    PerNodeOpt,
-    SbatchOpt,
-    SecretOpt,
-    TimeOpt,
-    launch_options,
-    run_cli,
-)
-from shared.launch.plan import (
-    DEFAULT_MASTER_PORT,
-    LaunchOptions,
-    LaunchPlan,
-    Topology,
-    plural,
-    program_target,
-    rank_resources,
-)
+from shared.launch.cli import GpuTypeOpt, OverridesArg, launch_command
+from shared.launch.plan import LaunchOptions, LaunchPlan, Topology, plural, program_target, rank_resources
 from shared.launch.steps import build_steps
 from shared.launch.supervisor import Supervision
 from train.config import TrainConfig, time_count
@@ -107,13 +75,22 @@ def plan_train(
     plan = LaunchPlan("train", config, options, topology, program)
     plan.supervision = supervision_of(cfg, topology, write_gb_per_s)
     plan.max_requeues = cfg.resilience.max_requeues
+    check_save_folder(plan, cfg)
+    plan.node_local = node_local_lines(cfg, topology, options.shared_save_folder)
     base_gb = TRAIN_BASE_GB.get(cfg.model.preset, TRAIN_BASE_GB[REFERENCE_PRESET])
     plan.resources = rank_resources(options, cfg.data.num_workers, base_gb, TRAIN_GB_PER_WORKER)
     plan.steps = build_steps(plan, os.environ if environ is None else environ)  # checks this machine (local)
-    plan.batching = derive_batching(cfg.global_batch_size, topology.world_size, cfg.device_microbatch_size)
     plan.estimate = run_estimate_line(cfg, topology.world_size, gpu_type)
     plan.reference.append(estimate_line(topology.world_size, gpu_type))
-    plan.cluster, notes = cluster_lines(cfg, topology, plan.batching, write_gb_per_s)
+    try:
+        plan.batching = derive_batching(
+            cfg.global_batch_size, topology.world_size, cfg.device_microbatch_size
+        )
+    except BatchingError as err:  # a dry run still prints the rest of the plan, this last
+        plan.refuse(str(err))
+    else:
+        plan.cluster, notes = cluster_lines(cfg, topology, plan.batching, write_gb_per_s)
+        plan.notes += notes
     first_uri = cfg.data.streams[0].uri if cfg.data.streams else cfg.data.uri  # "" until data.uri is given
     text_store = dataset_text_store_line(topology.world_size, gpu_type, first_uri)
     if cfg.model.preset == REFERENCE_PRESET:
@@ -121,13 +98,11 @@ def plan_train(
     else:  # priced at SD2-base sizes and schedule: a reference for scale, not this run's storage
         plan.reference.append(f"not this run: {text_store}")
     plan.cluster += plan_lines(cfg.data, cfg.seed if cfg.data.shuffle_seed is None else cfg.data.shuffle_seed)
-    plan.notes += notes
     shape = run_shape(cfg, topology, write_gb_per_s)
-    lead = exit_lead_s(cfg, shape.save_s)
-    plan.cluster += resilience_lines(cfg, shape, lead)
+    plan.cluster += resilience_lines(cfg, shape, exit_lead_s(cfg, shape.save_s))
     if compile_line := compile_plan_line(cfg):  # issue 30: the first step's compile, where it is cached
         plan.cluster.append(compile_line)
-    eval_line = eval_plan_line(cfg, topology.world_size, plan.batching.per_rank_batch)
+    eval_line = plan.batching and eval_plan_line(cfg, topology.world_size, plan.batching.per_rank_batch)
     if eval_line:
         plan.cluster.append(eval_line)
     return plan
@@ -137,7 +112,46 @@ def supervision_of(cfg: TrainConfig, topology: Topology, write_gb_per_s: float) 
     """The supervisor settings from the config's `resilience` section (shared/launch/supervisor.py)."""
     res = cfg.resilience
     lead = exit_lead_s(cfg, run_shape(cfg, topology, write_gb_per_s).save_s)
-    return Supervision(res.max_restarts, res.hang_timeout_s, res.max_wall_time_s(), lead)
+    elastic = topology.nodes > 1  # torchrun's elastic agent restarts every node's ranks together
+    return Supervision(res.max_restarts, res.hang_timeout_s, res.max_wall_time_s(), lead, elastic=elastic)
+
+
+def check_save_folder(plan: LaunchPlan, cfg: TrainConfig) -> None:
+    """Several nodes and a local save_folder: each node would write its own ranks' part of every checkpoint
+    into its own disk (a sharded checkpoint split over the nodes), and a resume elsewhere finds a fraction."""
+    nodes = plan.topology.nodes
+    if nodes == 1 or storage.is_s3(cfg.save_folder) or plan.options.shared_save_folder:
+        return
+    plan.refuse(
+        f"save_folder={cfg.save_folder} is a local path and this run has {nodes} nodes: each node "
+        "would keep its own part of every checkpoint on its own disk. Use save_folder=s3://bucket/runs/x, "
+        "or a path every node mounts and say so with --shared-save-folder (make: "
+        "LAUNCH_ARGS=--shared-save-folder)"
+    )
+
+
+def node_local_lines(cfg: TrainConfig, topology: Topology, shared_save: bool) -> list[str]:
+    """What each node keeps on its own disk (the dry-run plan's `node-local` rows)."""
+    cache = cfg.data.cache_dir or "<tmp>/sd-pretrain-streaming-<uid> (data.cache_dir)"
+    where = "on each node" if topology.nodes > 1 else "on the node"
+    save = cfg.save_folder
+    run_dir = cfg.log.local_dir or (
+        "<tmp>/sd-pretrain-runs-<uid>/<run> (log.local_dir)" if storage.is_s3(save) else save
+    )
+    lines = [
+        f"Streaming cache {where}: {cache}; shards are fetched into it by each node's ranks",
+        f"control folder {where}: <tmp>/sd-control-* (heartbeats, stop and exit records of that node's "
+        "supervisor; removed when it exits)",
+        "lease: one, by global rank 0, next to the data (<data.uri>/_leases/), not per node",
+        f"logs, metrics and sample grids {where}: {run_dir} (rank 0's are uploaded to an s3:// save_folder); "
+        "the sample renderer's local rank 0 loads the text tower and VAE first, the node's other ranks then "
+        "read its copy (a marker per host and launch in <that folder>/samples)",
+    ]
+    if not storage.is_s3(save) and topology.nodes == 1:
+        lines.append(f"checkpoints: {save} (this node's disk)")
+    elif not storage.is_s3(save) and shared_save:
+        lines.append(f"checkpoints: {save} (one folder every node mounts: --shared-save-folder)")
+    return lines
 
 
 def run_shape(cfg: TrainConfig, topology: Topology, write_gb_per_s: float) -> RunShape:
@@ -292,39 +306,27 @@ def estimate_line(gpus: int, gpu_type: str) -> str:
     return f"not this run: the full SD2-base schedule (jobs/estimate/sd2-base.yaml) on {summary}"
 
 
-def launch_command(
+@launch_command
+def launch(
     overrides: OverridesArg = None,
     config: Annotated[str, typer.Option("--config", help="a name in jobs/train/ or a YAML path")] = "tiny",
-    gpus: GpusOpt = 1,
-    nodes: NodesOpt = None,
-    gpus_per_node: PerNodeOpt = None,
-    launcher: LauncherOpt = LauncherChoice.local,
-    dry_run: DryRunOpt = False,
     gpu_type: GpuTypeOpt = DEFAULT_GPU_TYPE,
-    node_rank: NodeRankOpt = None,
-    master_addr: MasterAddrOpt = None,
-    master_port: MasterPortOpt = DEFAULT_MASTER_PORT,
-    name: NameOpt = None,
-    image: ImageOpt = None,
-    namespace: NamespaceOpt = None,
-    secret: SecretOpt = LaunchOptions.secret,
-    partition: PartitionOpt = None,
-    account: AccountOpt = None,
-    time_limit: TimeOpt = None,
-    efa: EfaOpt = False,
-    cpus_per_rank: CpusPerRankOpt = None,
-    mem_per_rank_gb: MemPerRankOpt = None,
-    sbatch_options: SbatchOpt = None,
     write_gb_per_s: Annotated[
         float,
         typer.Option("--write-gb-per-s", help="checkpoint write bandwidth per node (GB/s) for the plan"),
     ] = DEFAULT_WRITE_GB_PER_S_PER_NODE,
-) -> None:
-    """Train on GPUS ranks: torchrun here, an sbatch job on Slurm, or an Indexed Job on Kubernetes."""
-    options = launch_options(locals())
-    run_cli(
-        lambda: plan_train(
-            config, overrides or [], options(), gpu_type=gpu_type, write_gb_per_s=write_gb_per_s
+    shared_save_folder: Annotated[
+        bool,
+        typer.Option(
+            "--shared-save-folder", help="several nodes: the local save_folder is one path every node mounts"
         ),
-        dry_run,
-    )
+    ] = False,
+    *,
+    options: LaunchOptions,
+) -> LaunchPlan:
+    """Train on GPUS ranks: torchrun here, an sbatch job on Slurm, or an Indexed Job on Kubernetes."""
+    del shared_save_folder  # a LaunchOptions field: launch_command put it into `options`
+    return plan_train(config, overrides or [], options, gpu_type=gpu_type, write_gb_per_s=write_gb_per_s)
+
+
+launch_command = launch  # the name train/cli.py registers

@@ -1,18 +1,23 @@
-# Rendezvous: node 0 of the allocation hosts it; every node's torchrun connects there. (The whole list is
-# read first: `| head -n 1` would kill scontrol with SIGPIPE on a long list, failing the job under pipefail.)
+# Rendezvous (torchrun's elastic agent, c10d): node 0 of the allocation hosts it; every node's torchrun
+# connects there. (The whole list is read first: `| head -n 1` would kill scontrol with SIGPIPE on a long
+# list, failing the job under pipefail.)
 NODE_HOSTS="$(scontrol show hostnames "$SLURM_JOB_NODELIST")"
 MASTER_ADDR="${NODE_HOSTS%%$'\n'*}"
 MASTER_PORT={{master_port}}
 export MASTER_ADDR MASTER_PORT
-echo "{{name}}: {{layout}}, rendezvous at $MASTER_ADDR:$MASTER_PORT"
+SEGMENT="${SLURM_RESTART_COUNT:-0}"
+# One rendezvous run id per job and segment: a requeued segment never meets a stale round of the last one.
+RDZV_ID="{{name}}-$SLURM_JOB_ID-$SEGMENT"
+export RDZV_ID
+echo "{{name}}: {{layout}}, rendezvous $RDZV_ID at $MASTER_ADDR:$MASTER_PORT"
 
-# Unattended (docs/running-unattended.md): each node's torchrun runs under a supervisor
-# (python -m shared.launch.supervise) that restarts it from the last checkpoint after a crash or a hang, and
-# on USR1 / TERM asks the ranks to save the current step and exit 75 (resumable). The supervisor also reads
+# Unattended (docs/running-unattended.md): torchrun's elastic agent restarts every node's ranks together from
+# the last checkpoint when any rank fails (--max-restarts); each node's torchrun runs under a supervisor
+# (python -m shared.launch.supervise) that kills its node's ranks when one hangs (so every node restarts),
+# stops a crash loop, and on USR1 / TERM asks the ranks to save the current step and exit 75 (resumable). The supervisor also reads
 # this job's EndTime and has the ranks save {{lead_s}} s before it; `--signal=B:USR1@{{lead_s}}` above is
 # the backstop. After a resumable stop the job requeues itself (same run name, so it resumes) up to
 # resilience.max_requeues={{max_requeues}} times.
-SEGMENT="${SLURM_RESTART_COUNT:-0}"
 echo "{{name}}: segment $SEGMENT (requeues so far: $SEGMENT of at most {{max_requeues}}), started $(date -u +%FT%TZ)"
 ask_ranks_to_save() {
   echo "{{name}}: $1 received: asking the ranks to save the current step and exit"
@@ -22,15 +27,14 @@ trap 'ask_ranks_to_save USR1' USR1
 trap 'ask_ranks_to_save TERM' TERM
 
 # One task per node; each starts the supervisor, which starts torchrun, which starts one rank per GPU.
-# NODE_RANK is exported as the Slurm node id because torchrun does not set it and Composer names per-node
-# signal files by it. --kill-on-bad-exit: one failed node ends the step at once instead of leaving the
-# others blocked. --cpus-per-task: the node's every CPU for its ranks and data loaders (srun's default is
-# one CPU per task).
+# NODE_RANK (the Slurm node id) labels the node's log lines; the ranks take Composer's NODE_RANK from the
+# rendezvous. --kill-on-bad-exit: a node whose supervisor stopped (restarts spent, a crash loop) ends the
+# step at once instead of leaving the others waiting in the rendezvous. --cpus-per-task: the node's every
+# CPU for its ranks and data loaders (srun's default is one CPU per task).
 srun --nodes={{nodes}} --ntasks-per-node=1 --cpus-per-task="$SLURM_CPUS_ON_NODE" --kill-on-bad-exit=1 bash -c '
 export NODE_RANK="$SLURM_NODEID"
-exec {{python}} -m shared.launch.supervise {{supervise_flags}} -- "$0" --nnodes={{nodes}} \
-  --nproc-per-node={{gpus_per_node}} --node-rank="$SLURM_NODEID" \
-  --master-addr="$MASTER_ADDR" --master-port="$MASTER_PORT" "$@"' {{torchrun}} -m {{program}} &
+exec {{python}} -m shared.launch.supervise {{supervise_flags}} -- "$0" {{torchrun_flags}} "$@"' \
+  {{torchrun}} -m {{program}} &
 SRUN_PID=$!
 # A trapped signal makes `wait` return early: wait again until srun itself has exited.
 set +e

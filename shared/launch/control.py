@@ -3,12 +3,18 @@
 The supervisor creates the folder and passes it to every rank as $SD_CONTROL_DIR (torchrun hands its
 environment on). The ranks write; the supervisor reads, except `stop`, which goes the other way:
 - `heartbeat-rank<R>`: "<batch> <pid>", rewritten after every step; its mtime is the rank's last sign of life.
-- `progress.json` (global rank 0): the last batch and the checkpoint saved, so a supervisor that gives up can
-  name what a rerun resumes from.
-- `exit.json` (global rank 0): why the ranks stopped when they stopped on purpose (`resumable`: saved on a
-  signal or a deadline; `fatal`: an error no restart can fix, with its message).
+  "<batch> <pid> finished" once training ended: closing (the last upload, a barrier) is not a hang.
+- `progress.json` (local rank 0, so every node's supervisor has one): the last batch and the checkpoint
+  saved, so a supervisor that gives up can name what a rerun resumes from.
+- `exit.json` (local rank 0): why the ranks stopped when they stopped on purpose (`resumable`: saved on a
+  signal or a deadline; `fatal`: an error no restart can fix, with its message). After a resumable stop the
+  ranks exit 0 (torchrun's elastic agent restarts ranks that exit otherwise) and the supervisor exits 75.
 - `stop`: the supervisor's request to save and exit (it got SIGTERM / SIGUSR1); every rank looks for it at
   the step boundary and the ranks agree on it with one all-reduce.
+The ranks' TMPDIR is `<folder>/tmp`: what torchrun, Streaming (file locks), multiprocessing and Composer
+put in the temp folder goes there and is removed with the folder when the supervisor exits, also after a
+rank was killed; $SD_NODE_TMPDIR names the node's own temp folder, where what outlives a launch goes (the
+default Streaming cache and log folder, shared/storage/safety.py).
 $SD_DEADLINE (seconds since the epoch) is when the ranks must have saved and stopped (a Slurm job's end time
 less the lead time a save needs). Light: no torch, so encode and planning can import it.
 """
@@ -22,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 CONTROL_DIR_ENV = "SD_CONTROL_DIR"
+SCRATCH_DIR = "tmp"  # the ranks' TMPDIR inside the control folder
 DEADLINE_ENV = "SD_DEADLINE"
 STOP_FILE = "stop"
 PROGRESS_FILE = "progress.json"
@@ -33,6 +40,14 @@ EXIT_DONE = 0
 EXIT_GAVE_UP = 1  # restarts spent, or the same failure again at the same step: a person has to look
 EXIT_FATAL = 2  # a config / data / NaN error that no restart fixes; the message names it
 EXIT_RESUMABLE = 75  # saved and stopped on a signal or a deadline (EX_TEMPFAIL): rerun the same command
+
+
+def adopt_agent_node_rank(environ: dict[str, str] | os._Environ[str] = os.environ) -> None:
+    """Under torchrun's elastic agent the rendezvous numbers the nodes (GROUP_RANK, and RANK follows it), not
+    the launcher: Composer's NODE_RANK (per-node file names) must agree with it, so a rank takes it from
+    there. Without an agent (a Slurm array task, a test) NODE_RANK stays as the launcher set it."""
+    if "GROUP_RANK" in environ:
+        environ["NODE_RANK"] = environ["GROUP_RANK"]
 
 
 def control_dir() -> Path | None:
@@ -60,8 +75,9 @@ def read_json(path: Path) -> dict[str, Any] | None:
         return None
 
 
-def write_heartbeat(folder: Path, rank: int, batch: int) -> None:
-    (folder / f"{HEARTBEAT_PREFIX}{rank}").write_text(f"{batch} {os.getpid()}")
+def write_heartbeat(folder: Path, rank: int, batch: int, finished: bool = False) -> None:
+    end = " finished" if finished else ""
+    (folder / f"{HEARTBEAT_PREFIX}{rank}").write_text(f"{batch} {os.getpid()}{end}")
 
 
 @dataclass(frozen=True)
@@ -70,16 +86,16 @@ class Heartbeat:
     batch: int
     pid: int
     mtime: float
+    finished: bool = False  # training ended; the rank is closing (no more steps to wait for)
 
 
 def read_heartbeats(folder: Path) -> list[Heartbeat]:
     beats = []
     for path in folder.glob(f"{HEARTBEAT_PREFIX}*"):
         try:
-            batch, pid = path.read_text().split()
-            beats.append(
-                Heartbeat(int(path.name[len(HEARTBEAT_PREFIX) :]), int(batch), int(pid), path.stat().st_mtime)
-            )
+            batch, pid, *end = path.read_text().split()
+            rank, mtime = int(path.name[len(HEARTBEAT_PREFIX) :]), path.stat().st_mtime
+            beats.append(Heartbeat(rank, int(batch), int(pid), mtime, end == ["finished"]))
         except (OSError, ValueError):
             continue  # being rewritten: read again on the next poll
     return sorted(beats, key=lambda beat: beat.rank)

@@ -5,10 +5,13 @@ node layout, the batch split (train), and the ordered steps that launch it (exec
 scripts, apply a Kubernetes manifest). `--dry-run` prints a plan (shared/launch/report.py);
 shared/launch/submit.py executes one.
 
-Every path starts ranks with torchrun (part of torch, so the encode side never needs composer) and a static
-rendezvous at node 0 with an explicit node rank. Composer and MosaicML Streaming read what torchrun sets
-(RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT); torchrun does not set NODE_RANK,
-which Composer uses to name per-node signal files, so every launch path exports it as the node rank.
+Every path starts ranks with torchrun (part of torch, so the encode side never needs composer). One node:
+`--standalone`. Several nodes: torchrun's elastic agent with a `c10d` rendezvous hosted at the first node
+(`--rdzv-endpoint`), a run id per job and attempt, and `--max-restarts`: when any rank on any node fails,
+every node's agent stops its ranks and they all meet again in a new rendezvous round (a lost node's
+replacement joins it, waiting up to REJOIN_TIMEOUT_S). Composer and MosaicML Streaming read what torchrun
+sets (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, GROUP_RANK); the ranks take
+NODE_RANK (Composer's per-node file names) from the rendezvous' GROUP_RANK (shared/launch/control.py).
 
 This module imports nothing heavy (no torch at import, never composer): encode launches go through it.
 """
@@ -18,6 +21,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -26,14 +30,16 @@ from typing import Literal
 
 from shared.batching import Batching
 from shared.config import REPO_ROOT
-from shared.launch.supervisor import Supervision
+from shared.launch.supervisor import REJOIN_TIMEOUT_S, Supervision
 
 Launcher = Literal["local", "slurm", "k8s"]
 LAUNCHERS: tuple[str, ...] = ("local", "slurm", "k8s")
+AUTO = "auto"  # LAUNCHER=auto: local for one node, else the scheduler found on this machine (pick_launcher)
 JobKind = Literal["train", "encode"]
 
 DEFAULT_GPUS_PER_NODE = 8  # DGX / p4d / p5 / a3 nodes
 DEFAULT_MASTER_PORT = 29500  # torchrun's own default
+KUBECTL_TIMEOUT_S = 10  # `kubectl config current-context` only reads the kubeconfig
 # Kubernetes object names are DNS labels (63 chars); Indexed Job pods append "-<index>" to the job name.
 MAX_NAME_CHARS = 50
 # Written into argv where a later step needs the job id an earlier `sbatch --parsable` printed.
@@ -111,10 +117,17 @@ class LaunchOptions:
     mem_per_rank_gb: int | None = None
     # Extra sbatch options written as `#SBATCH --key=value` into every script (`qos=high`, `requeue`).
     sbatch_options: list[str] = field(default_factory=list)
+    # The user asserts that a local save_folder is one path every node mounts (NFS, Lustre): a local
+    # save_folder on several nodes is refused without it (each node would hold part of every checkpoint).
+    shared_save_folder: bool = False
+    # Why LAUNCHER=auto picked `launcher` (shown in the plan); "" when the launcher was named.
+    picked: str = ""
 
     def __post_init__(self) -> None:
+        if self.launcher == AUTO:
+            self.launcher, self.picked = pick_launcher(self)
         if self.launcher not in LAUNCHERS:
-            raise LaunchError(f"LAUNCHER={self.launcher!r} is not one of {', '.join(LAUNCHERS)}")
+            raise LaunchError(f"LAUNCHER={self.launcher!r} is not one of {', '.join((AUTO, *LAUNCHERS))}")
         if self.launcher == "k8s" and not self.image:
             raise LaunchError(
                 "the k8s launcher needs a container image with this repo installed: pass --image "
@@ -122,8 +135,8 @@ class LaunchOptions:
             )
         if self.launcher != "local" and (self.node_rank is not None or self.master_addr):
             raise LaunchError(
-                f"--node-rank / --master-addr are for the local launcher; {self.launcher} picks node ranks "
-                "and the rendezvous host itself: drop them"
+                f"--node-rank / --master-addr are for the local launcher; {self.launcher} picks the "
+                "rendezvous host itself: drop them"
             )
         if not 0 < self.master_port < 1 << 16:
             raise LaunchError(f"--master-port {self.master_port} is not a TCP port (1-65535)")
@@ -136,6 +149,38 @@ class LaunchOptions:
 
     def topology(self) -> Topology:
         return derive_topology(self.gpus, self.nodes, self.gpus_per_node)
+
+
+def pick_launcher(options: LaunchOptions) -> tuple[str, str]:
+    """LAUNCHER=auto: (launcher, why). One node, or a local multi-node run (--master-addr): local. Several
+    nodes: Slurm where `sbatch` is on PATH, else Kubernetes where kubectl has a current context, else local
+    (whose plan then says the nodes do not fit here)."""
+    nodes = derive_topology(options.gpus, options.nodes, options.gpus_per_node).nodes
+    if nodes == 1 or options.node_rank is not None or options.master_addr:
+        return "local", ""
+    many = plural(nodes, "node")
+    if shutil.which("sbatch"):
+        return "slurm", f"{many} and `sbatch` is on PATH"
+    context = kube_context()
+    if context:
+        return "k8s", f"{many} and kubectl's current context is {context!r}"
+    return "local", ""
+
+
+def kube_context() -> str | None:
+    """kubectl's current context, or None without kubectl or without a context."""
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        return None
+    try:
+        done = subprocess.run(
+            [kubectl, "config", "current-context"],
+            capture_output=True, text=True, timeout=KUBECTL_TIMEOUT_S, check=False,
+        )  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    context = done.stdout.strip() if done.returncode == 0 else ""
+    return context or None
 
 
 @dataclass(frozen=True)
@@ -198,6 +243,18 @@ class LaunchPlan:
     # None: torchrun runs bare (encode). `max_requeues`: Slurm requeues after a resumable stop.
     supervision: Supervision | None = None
     max_requeues: int = 0
+    # Where each node keeps what is its own (a Streaming cache, the control folder, ...): one line each.
+    node_local: list[str] = field(default_factory=list)
+    # Why this plan cannot be carried out, each naming its fix; a dry run still prints the whole plan.
+    refusals: list[str] = field(default_factory=list)
+
+    def refuse(self, reason: str) -> None:
+        """Record a reason the plan cannot run; the launch stops with them, a dry run prints them last."""
+        self.refusals.append(reason)
+
+    @property
+    def refusal(self) -> str | None:
+        return "; and ".join(self.refusals) or None
 
     @property
     def name(self) -> str:
@@ -242,12 +299,12 @@ def local_gpu_count() -> int:
 
 def check_local_capacity(topology: Topology, options: LaunchOptions) -> list[str]:
     """Refuse a local launch this machine cannot hold; returns notes for the plan."""
-    if topology.nodes > 1 and (options.node_rank is None or not options.master_addr):
+    if topology.nodes > 1 and not options.master_addr:
         nodes = topology.nodes
         raise LaunchError(
-            f"{nodes} nodes do not fit on this machine: use LAUNCHER=slurm or LAUNCHER=k8s, or run the same "
-            f"command on each of the {nodes} machines with NODE_RANK=0..{nodes - 1} and "
-            "MASTER_ADDR=<node 0's address> (make: NODE_RANK=.. MASTER_ADDR=..)"
+            f"{nodes} nodes do not fit on this machine: use LAUNCHER=slurm or LAUNCHER=k8s (LAUNCHER=auto "
+            "picks one where `sbatch` or `kubectl` is on PATH), or run the same command on each of the "
+            f"{nodes} machines with MASTER_ADDR=<node 0's address> (make: MASTER_ADDR=..)"
         )
     if options.node_rank is not None and not 0 <= options.node_rank < topology.nodes:
         raise LaunchError(f"NODE_RANK={options.node_rank} must be in 0..{topology.nodes - 1}")
@@ -295,26 +352,42 @@ def workdir() -> str:
 # --- torchrun ---------------------------------------------------------------------------------------
 
 
-def torchrun_args(topology: Topology, node_rank: str, master_addr: str, master_port: str) -> list[str]:
-    """torchrun's flags for one node of a static rendezvous (values may be shell / k8s variables)."""
+def torchrun_args(
+    topology: Topology, rdzv_host: str, rdzv_port: str, run_id: str, max_restarts: int
+) -> list[str]:
+    """torchrun's flags for one node of an elastic `c10d` rendezvous (values may be shell / k8s variables).
+
+    `--nnodes=N` is N:N: every node is needed, and a lost node's replacement joins the next rendezvous round
+    (its agent runs the same command). No `--node-rank`: the rendezvous assigns them.
+    """
     return [
         f"--nnodes={topology.nodes}",
         f"--nproc-per-node={topology.gpus_per_node}",
-        f"--node-rank={node_rank}",
-        f"--master-addr={master_addr}",
-        f"--master-port={master_port}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={rdzv_host}:{rdzv_port}",
+        f"--rdzv-id={run_id}",
+        f"--rdzv-conf=join_timeout={REJOIN_TIMEOUT_S}",
+        f"--max-restarts={max_restarts}",
     ]
 
 
+RDZV_HOST_PLACEHOLDER = "<node-0-address>"
+
+
 def local_torchrun_argv(
-    torchrun: str, topology: Topology, options: LaunchOptions, program: Sequence[str]
+    torchrun: str,
+    topology: Topology,
+    options: LaunchOptions,
+    program: Sequence[str],
+    run_id: str,
+    max_restarts: int,
 ) -> list[str]:
-    """One machine's torchrun command: standalone (a free port) for one node, else the given rendezvous."""
+    """One machine's torchrun command: standalone (a free port) for one node, else the elastic rendezvous
+    at --master-addr (a placeholder in a plan that is refused for lack of one)."""
     if topology.nodes == 1:
         # --standalone picks a free port itself, so two local runs on one machine never collide.
         flags = ["--standalone", "--nnodes=1", f"--nproc-per-node={topology.gpus_per_node}"]
     else:
-        flags = torchrun_args(
-            topology, str(options.node_rank), str(options.master_addr), str(options.master_port)
-        )
+        host = options.master_addr or RDZV_HOST_PLACEHOLDER
+        flags = torchrun_args(topology, host, str(options.master_port), run_id, max_restarts)
     return [torchrun, *flags, "-m", *program]

@@ -22,7 +22,10 @@ def describe(plan: LaunchPlan) -> str:
 
 def summarize(plan: LaunchPlan) -> str:
     """Layout, batching, what every rank runs, finalize, estimate and notes: one row each."""
-    rows = [("launcher", plan.options.launcher), ("layout", _layout(plan))]
+    launcher = plan.options.launcher
+    if plan.options.picked:
+        launcher += f" (LAUNCHER=auto: {plan.options.picked}; LAUNCHER=local|slurm|k8s picks another)"
+    rows = [("launcher", launcher), ("layout", _layout(plan))]
     if plan.batching:
         rows.append(("batch", _batch_line(plan.batching)))
     if plan.resources:
@@ -34,7 +37,9 @@ def summarize(plan: LaunchPlan) -> str:
     if plan.estimate:
         rows.append(("estimate", plan.estimate))
     rows += [("reference", line) for line in plan.reference]
+    rows += [("node-local", line) for line in plan.node_local]
     rows += [("note", note) for note in plan.notes]
+    rows += [("refused", reason) for reason in plan.refusals]
     width = max(len(key) for key, _ in rows)
     lines = [f"launch plan: {plan.job} {plan.target} ({plan.name})"]
     lines += [f"  {key.ljust(width)}  {value}" for key, value in rows]

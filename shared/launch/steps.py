@@ -43,6 +43,8 @@ from shared.launch.validate import check_options, check_value, check_values, par
 
 # The pod annotation an Indexed Job sets to the pod's index: node rank i is pod i.
 K8S_COMPLETION_INDEX = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+# The Job's uid, the same on every pod of it: the rendezvous run id (a new Job is a new run id).
+K8S_JOB_UID = "metadata.labels['batch.kubernetes.io/controller-uid']"
 SBATCH = ("sbatch", "--parsable")  # --parsable: print only "<job id>[;<cluster>]"
 KUBECTL_APPLY = ("kubectl", "apply", "-f", "-")
 K8S_DEFAULT_GRACE_S = 30  # Kubernetes' own terminationGracePeriodSeconds
@@ -85,7 +87,10 @@ def build_steps(plan: LaunchPlan, environ: Mapping[str, str]) -> list[Step]:
     if launcher != "slurm" and plan.options.sbatch_options:
         raise LaunchError(f"--sbatch-option is for LAUNCHER=slurm, not {launcher}: drop it")
     if launcher == "local":
-        plan.notes += check_local_capacity(plan.topology, plan.options)
+        try:
+            plan.notes += check_local_capacity(plan.topology, plan.options)
+        except LaunchError as err:  # the dry run still prints the plan (and this, last)
+            plan.refuse(str(err))
         return [local_step(plan)]
     if launcher == "slurm":
         return slurm_array_steps(plan) if plan.job == "encode" else [slurm_nodes_step(plan)]
@@ -93,10 +98,21 @@ def build_steps(plan: LaunchPlan, environ: Mapping[str, str]) -> list[Step]:
     return [k8s_step(plan, environ)]
 
 
+def torchrun_restarts(plan: LaunchPlan) -> int:
+    """torchrun's own `--max-restarts`: resilience.max_restarts on several nodes (its elastic agent restarts
+    every node together); 0 on one, where the supervisor restarts torchrun itself."""
+    supervision = plan.supervision or Supervision()
+    return supervision.max_restarts if supervision.elastic else 0
+
+
 def local_step(plan: LaunchPlan) -> Step:
-    argv = local_torchrun_argv(local_torchrun(), plan.topology, plan.options, plan.program)
+    argv = local_torchrun_argv(
+        local_torchrun(), plan.topology, plan.options, plan.program, plan.name, torchrun_restarts(plan)
+    )
     node_rank = str(plan.options.node_rank or 0)
     what = f"torchrun on this machine (node {node_rank})"
+    if plan.topology.nodes > 1:
+        what = "torchrun on this machine, one node of the elastic rendezvous (run it on every node)"
     if plan.supervision is not None:
         what += ", supervised by this launch process (save on SIGTERM / SIGUSR1, restarts, hang watchdog)"
     return Step(what, tuple(argv), env={"NODE_RANK": node_rank})
@@ -119,22 +135,29 @@ def slurm_nodes_step(plan: LaunchPlan) -> Step:
     topo, options = plan.topology, plan.options
     torchrun = check_value(slurm_torchrun(), "the torchrun path")
     supervision = plan.supervision or Supervision()
+    flags = torchrun_args(topo, "$MASTER_ADDR", "$MASTER_PORT", "$RDZV_ID", torchrun_restarts(plan))
     values = {
         "python": shlex.quote(repo_python()),
         "supervise_flags": shlex.join(supervision.flags()),
         "lead_s": f"{supervision.deadline_lead_s:g}",
         "max_requeues": plan.max_requeues,
         "nodes": topo.nodes,
-        "gpus_per_node": topo.gpus_per_node,
         "layout": layout(topo),
         "master_port": options.master_port,
         "torchrun": shlex.quote(torchrun),
+        "torchrun_flags": inside_single_quotes(flags),
         "program": shlex.join(plan.program),
     }
     resources = {**node_resources(topo), **requeue_resources(supervision)}
     header = _sbatch_header(plan, layout(topo), plan.name, resources)
     script = render_sbatch(SLURM_NODES, header, values)
     return Step("the sbatch script", SBATCH, stdin=script, file_name=f"{plan.name}.sbatch")
+
+
+def inside_single_quotes(args: list[str]) -> str:
+    """Words for a `bash -c '...'` body: a word naming a variable ($MASTER_ADDR) in double quotes, so the
+    task's shell expands it; the others quoted as usual (already checked: no quote characters)."""
+    return " ".join(f'"{arg}"' if "$" in arg else shlex.quote(arg) for arg in args)
 
 
 def slurm_torchrun() -> str:
@@ -168,15 +191,18 @@ def slurm_array_steps(plan: LaunchPlan) -> list[Step]:
 
 
 def k8s_step(plan: LaunchPlan, environ: Mapping[str, str]) -> Step:
-    """A headless Service + Indexed Job: pod i runs torchrun as node i, rendezvous at pod 0."""
+    """A headless Service + Indexed Job: pod i runs torchrun, rendezvous (c10d) hosted at pod 0."""
     topo, options = plan.topology, plan.options
     master = f"{plan.name}-0.{plan.name}"
-    # $(NODE_RANK) is expanded by Kubernetes from the env entry below (the pod's completion index).
-    flags = torchrun_args(topo, "$(NODE_RANK)", master, str(options.master_port))
+    # $(RDZV_ID) is expanded by Kubernetes from the env entry below (the Job's uid).
+    flags = torchrun_args(topo, master, str(options.master_port), "$(RDZV_ID)", torchrun_restarts(plan))
     supervision = plan.supervision or Supervision()
     supervise = ["python", "-m", "shared.launch.supervise", *supervision.flags(), "--"]
     command = [*supervise, "torchrun", *flags, "-m", *plan.program]
-    env = [{"name": "NODE_RANK", "valueFrom": {"fieldRef": {"fieldPath": K8S_COMPLETION_INDEX}}}]
+    env = [
+        {"name": "NODE_RANK", "valueFrom": {"fieldRef": {"fieldPath": K8S_COMPLETION_INDEX}}},
+        {"name": "RDZV_ID", "valueFrom": {"fieldRef": {"fieldPath": K8S_JOB_UID}}},
+    ]
     env_vars = load_env_vars(options.efa)
     env += render_env_entries(env_vars, environ, options.secret)
     for name in secret_by_value(env_vars, environ):

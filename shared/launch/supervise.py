@@ -5,35 +5,52 @@ save `--deadline-lead-s` seconds before it."""
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections.abc import Sequence
+from typing import Annotated
+
+import typer
 
 from shared.launch.deadline import slurm_end_time
 from shared.launch.supervisor import Supervision, Supervisor
 
+DEFAULTS = Supervision()
+app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
 
-def parse(argv: Sequence[str]) -> tuple[Supervision, list[str]]:
-    parser = argparse.ArgumentParser(prog="python -m shared.launch.supervise")
-    parser.add_argument("--max-restarts", type=int, default=Supervision.max_restarts)
-    parser.add_argument("--hang-timeout-s", type=float, default=Supervision.hang_timeout_s)
-    parser.add_argument("--deadline-lead-s", type=float, default=Supervision.deadline_lead_s)
-    parser.add_argument("--max-wall-time-s", type=float, default=None)
-    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- torchrun ...")
-    args = parser.parse_args(argv)
-    command = args.command[1:] if args.command[:1] == ["--"] else args.command
-    if not command:
-        parser.error("give the command to supervise after --")
-    return Supervision(
-        args.max_restarts, args.hang_timeout_s, args.max_wall_time_s, args.deadline_lead_s
-    ), command
+
+@app.command(context_settings={"allow_interspersed_args": False})
+def supervise(
+    command: Annotated[list[str], typer.Argument(help="-- torchrun ... (the command to supervise)")],
+    max_restarts: Annotated[
+        int, typer.Option(help="restarts after a crash or a hang")
+    ] = DEFAULTS.max_restarts,
+    hang_timeout_s: Annotated[
+        float, typer.Option(help="no step for this long: hung")
+    ] = DEFAULTS.hang_timeout_s,
+    deadline_lead_s: Annotated[
+        float, typer.Option(help="save this long before a scheduler's end time")
+    ] = DEFAULTS.deadline_lead_s,
+    max_wall_time_s: Annotated[
+        float | None, typer.Option(help="save and stop this long after the start")
+    ] = None,
+    elastic: Annotated[
+        bool, typer.Option("--elastic", help="several nodes: torchrun restarts the ranks; only watch")
+    ] = False,
+) -> None:
+    """Run COMMAND (torchrun ...) under one node's supervisor; exits with its code."""
+    supervision = Supervision(max_restarts, hang_timeout_s, max_wall_time_s, deadline_lead_s, elastic=elastic)
+    end = slurm_end_time()
+    deadline = None if end is None else end - supervision.deadline_lead_s
+    raise typer.Exit(Supervisor(command, supervision, deadline=deadline).run())
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    supervision, command = parse(sys.argv[1:] if argv is None else argv)
-    end = slurm_end_time()
-    deadline = None if end is None else end - supervision.deadline_lead_s
-    return Supervisor(command, supervision, deadline=deadline).run()
+    """The CLI's exit code (usage errors print their message and give 2)."""
+    try:
+        app(args=list(sys.argv[1:] if argv is None else argv), prog_name="python -m shared.launch.supervise")
+    except SystemExit as done:
+        return done.code if isinstance(done.code, int) else 1
+    return 0
 
 
 if __name__ == "__main__":

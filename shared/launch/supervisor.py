@@ -13,12 +13,16 @@ Ctrl-C or a TERM to the launch's process group reaches only this process):
   node restarts as after a crash.
 - an error no restart fixes (rank 0 records it as `fatal`), or a failure at the same step as the previous
   one: stop at once with its message and the checkpoint a rerun resumes from.
+Several nodes (`elastic`): torchrun's elastic agent restarts the ranks, every node's together
+(`--max-restarts`, a `c10d` rendezvous), so the supervisor never restarts torchrun; it watches. New
+processes writing the heartbeats while the previous ones are gone are a restart (logged; two from the
+same step are a crash loop: it stops torchrun, which ends the rendezvous for every node); a hang SIGKILLs
+this node's ranks (not torchrun), so the agents restart every node; signals and deadlines work as above.
 The files it shares with the ranks are described in shared/launch/control.py.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import signal
@@ -31,11 +35,30 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shared.launch import control
+from shared.launch.ranks import (
+    Generations,
+    alive,
+    descendants,
+    forget_shm,
+    kill_all,
+    kill_ranks_first,
+    mapped_shm,
+    stack_of,
+    stopped,
+)
 from shared.runtime.exits import torchrun_argv
+from shared.storage.safety import NODE_TMPDIR_ENV
 
-STACK_TIMEOUT_S = 30  # py-spy reads a process's memory; a few seconds even for a large one
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 CONTROL_PREFIX = "sd-control-"
+# How long the surviving nodes' agents wait in a new rendezvous round for a lost node's replacement before
+# torchrun stops (torchrun's own join_timeout default, passed explicitly so the plan and the docs name it).
+REJOIN_TIMEOUT_S = 600
+# torch 2.7's c10d rendezvous hands the ranks of every round the TCPStore of its first round by default:
+# keys of the dead generation stay in it (gloo's connectFullMesh then dials dead ranks: 4 failed restarts
+# in a row in the two-node test), and it dies with the node that hosted it. With this set, rank 0 of each
+# new round hosts a fresh store.
+ELASTIC_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
 @dataclass(frozen=True)
@@ -48,6 +71,8 @@ class Supervision:
     # Seconds before a scheduler's end time by which the ranks must have saved (Slurm: from EndTime).
     deadline_lead_s: float = 120.0
     poll_s: float = 0.5
+    # Several nodes: torchrun's elastic agent restarts the ranks (module doc); the supervisor only watches.
+    elastic: bool = False
 
     def flags(self) -> list[str]:
         """The same settings as `python -m shared.launch.supervise` flags (sbatch scripts, pod commands)."""
@@ -55,6 +80,8 @@ class Supervision:
         out.append(f"--deadline-lead-s={self.deadline_lead_s:g}")
         if self.max_wall_time_s is not None:
             out.append(f"--max-wall-time-s={self.max_wall_time_s:g}")
+        if self.elastic:
+            out.append("--elastic")
         return out
 
 
@@ -65,59 +92,6 @@ class Outcome:
     kind: str  # done | resumable | fatal | crash | hang
     batch: int  # the highest step any rank completed (-1: none)
     detail: str = ""
-
-
-def descendants(pid: int) -> list[int]:
-    """Every process below `pid`, from /proc (torchrun starts its ranks in sessions of their own, so a
-    process-group kill misses them)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(entry.name))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
-def py_spy() -> str | None:
-    beside = Path(sys.executable).parent / "py-spy"
-    return str(beside) if beside.exists() else shutil.which("py-spy")
-
-
-def stack_of(pid: int) -> str:
-    """A process's Python stacks, taken from outside (works on a stopped or wedged process)."""
-    tool = py_spy()
-    if tool:
-        try:
-            done = subprocess.run(
-                [tool, "dump", "--pid", str(pid), "--nonblocking"],
-                capture_output=True, text=True, timeout=STACK_TIMEOUT_S, check=False,
-            )  # fmt: skip
-            if done.returncode == 0:
-                return done.stdout
-        except subprocess.TimeoutExpired:
-            pass
-    try:  # without py-spy: the kernel's view (state and where it sleeps)
-        status = Path(f"/proc/{pid}/status").read_text().splitlines()
-        state = next((line for line in status if line.startswith("State:")), "State: ?")
-        wchan = Path(f"/proc/{pid}/wchan").read_text()
-        return f"{state}; waiting in {wchan or '?'} (install py-spy for Python stacks)"
-    except OSError as err:
-        return f"unreadable: {err}"
-
-
-def kill_all(pids: Sequence[int]) -> None:
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)  # SIGKILL also ends a SIGSTOPped process
 
 
 class Supervisor:
@@ -143,6 +117,7 @@ class Supervisor:
             self.deadline = own if deadline is None else min(deadline, own)
         self.stop_reason: str | None = None
         self.proc: subprocess.Popen[bytes] | None = None
+        self.shm: set[str] = set()  # /dev/shm files the run's processes mapped (ranks.mapped_shm)
 
     # ------------------------------------------------------------------------------------------ signals
     def on_signal(self, signum: int, frame: object) -> None:
@@ -160,11 +135,23 @@ class Supervisor:
     def run(self) -> int:
         previous = {sig: signal.signal(sig, self.on_signal) for sig in STOP_SIGNALS}
         try:
-            return self._loop()
+            return self._watch_elastic() if self.supervision.elastic else self._loop()
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
             shutil.rmtree(self.folder, ignore_errors=True)
+            self.forget_shm()
+
+    def watch_shm(self) -> None:
+        assert self.proc is not None
+        self.shm |= mapped_shm(descendants(self.proc.pid))
+
+    def forget_shm(self) -> None:
+        """Unlink what the run's processes mapped in /dev/shm and no live process maps any more."""
+        in_use = mapped_shm(int(entry.name) for entry in Path("/proc").iterdir() if entry.name.isdigit())
+        removed = forget_shm(self.shm - in_use)
+        if removed:
+            self.log(f"removed {removed} file(s) the ranks left in /dev/shm (killed before they could)")
 
     def _loop(self) -> int:
         restarts, last_failure = 0, None
@@ -193,6 +180,72 @@ class Supervisor:
                 f"{restarts}/{self.supervision.max_restarts} from {where}"
             )
 
+    # ------------------------------------------------------------------ several nodes: torchrun restarts
+    def _watch_elastic(self) -> int:
+        """One torchrun for the whole launch; its agent restarts every node's ranks (module doc)."""
+        control.clear_attempt(self.folder)
+        self.proc = subprocess.Popen(torchrun_argv(self.argv), env=self.attempt_env(), start_new_session=True)
+        gens = Generations()
+        while self.proc.poll() is None:
+            time.sleep(self.supervision.poll_s)
+            self.watch_shm()
+            code = self.elastic_poll(gens)
+            if code is not None:  # stopping torchrun ends the rendezvous, so every node stops
+                kill_all([*descendants(self.proc.pid), self.proc.pid])
+                self.proc.wait()
+                return code
+        outcome = self.classify(self.proc.returncode, gens.batch)
+        code = self.final_code(outcome)
+        if code is not None:
+            return code
+        self.log(
+            f"torchrun stopped at step {outcome.batch} after {gens.restarts} restart(s) ({outcome.detail}): "
+            f"its restarts (resilience.max_restarts={self.supervision.max_restarts}) are spent, or a lost "
+            f"node was not replaced within {REJOIN_TIMEOUT_S} s. A rerun resumes from {self.resume_point()}"
+        )
+        return control.EXIT_GAVE_UP
+
+    def elastic_poll(self, gens: Generations) -> int | None:
+        """One look at the ranks: an exit code to stop with, or None to keep watching."""
+        record = control.read_json(self.folder / control.EXIT_FILE) or {}
+        if record.get("state") == "fatal":
+            self.log(f"a restart cannot fix this, stopping every node: {record.get('message', '')}")
+            return control.EXIT_FATAL
+        beats = control.read_heartbeats(self.folder)
+        ended = gens.observe(beats, alive)
+        if ended is not None:
+            self.void_old_record(beats, gens)
+            where = self.resume_point()
+            if not gens.restarted(ended):
+                self.log(
+                    f"{gens.cause} again at step {ended}, as before the last restart: a restart will not fix "
+                    f"it; stopping every node. A rerun resumes from {where}"
+                )
+                return control.EXIT_GAVE_UP
+            self.log(
+                f"{gens.cause} at step {ended}: torchrun restarted every node's ranks, restart "
+                f"{gens.restarts}/{self.supervision.max_restarts} from {where}"
+            )
+            gens.cause = "crash"
+        hung = gens.hung(beats, alive, time.time(), self.supervision.hang_timeout_s)
+        if hung:  # kill this node's ranks, not torchrun: its agent then restarts every node's ranks
+            self.log_stacks(hung, {beat.pid: beat.rank for beat in beats if beat.pid in gens.pids})
+            assert self.proc is not None
+            kill_ranks_first(self.proc.pid)
+            gens.cause = "hang"
+        return None
+
+    def void_old_record(self, beats: list[control.Heartbeat], gens: Generations) -> None:
+        """An exit record older than the new generation's first heartbeat belongs to the generation torchrun
+        replaced (its ranks may have saved on torchrun's own SIGTERM while it stopped them): void."""
+        path = self.folder / control.EXIT_FILE
+        born = min((beat.mtime for beat in beats if beat.pid in gens.pids), default=None)
+        try:
+            if born is not None and path.stat().st_mtime < born:
+                path.unlink()
+        except FileNotFoundError:
+            pass
+
     def final_code(self, outcome: Outcome) -> int | None:
         """The supervisor's exit code when this outcome ends the launch; None: restart."""
         if outcome.kind == "done":
@@ -220,14 +273,12 @@ class Supervisor:
         control.clear_attempt(self.folder)
         if self.stop_reason is not None:  # a signal between two attempts still stops the next one
             control.request_stop(self.folder, self.stop_reason)
-        env = {**self.env, control.CONTROL_DIR_ENV: str(self.folder)}
-        if self.deadline is not None:
-            env[control.DEADLINE_ENV] = f"{self.deadline:.3f}"
         # torchrun through shared/runtime/exits.py: no traceback box when the ranks stopped on purpose.
-        self.proc = subprocess.Popen(torchrun_argv(self.argv), env=env, start_new_session=True)
+        self.proc = subprocess.Popen(torchrun_argv(self.argv), env=self.attempt_env(), start_new_session=True)
         hung = None
         while self.proc.poll() is None and hung is None:
             time.sleep(self.supervision.poll_s)
+            self.watch_shm()
             hung = self.stale_ranks()
         beats = control.read_heartbeats(self.folder)
         batch = max((beat.batch for beat in beats), default=-1)
@@ -238,22 +289,38 @@ class Supervisor:
             )
         return self.classify(self.proc.returncode, batch)
 
+    def attempt_env(self) -> dict[str, str]:
+        """The ranks' environment: the control folder, the deadline, and a scratch TMPDIR removed with the
+        control folder (nothing the run's processes put in a temp folder outlives the launch)."""
+        scratch = self.folder / control.SCRATCH_DIR
+        scratch.mkdir(exist_ok=True)
+        node_tmp = self.env.get(NODE_TMPDIR_ENV) or self.env.get("TMPDIR") or tempfile.gettempdir()
+        env = {**self.env, control.CONTROL_DIR_ENV: str(self.folder)}
+        env.update({"TMPDIR": str(scratch), NODE_TMPDIR_ENV: node_tmp})
+        if self.supervision.elastic:
+            env.update(ELASTIC_ENV)
+        if self.deadline is not None:
+            env[control.DEADLINE_ENV] = f"{self.deadline:.3f}"
+        return env
+
     def stale_ranks(self) -> list[int] | None:
         """Ranks whose last step is older than hang_timeout_s (None: all alive or not started stepping)."""
         now = time.time()
         stale = [
             b.rank
             for b in control.read_heartbeats(self.folder)
-            if now - b.mtime > self.supervision.hang_timeout_s
+            if not b.finished and now - b.mtime > self.supervision.hang_timeout_s
         ]
         return stale or None
 
     def classify(self, returncode: int, batch: int) -> Outcome:
+        """The ranks' own record first: under a supervisor they exit 0 after a resumable stop (torchrun's
+        elastic agent would restart ranks that exit otherwise), and the supervisor exits 75 for them."""
         record = control.read_json(self.folder / control.EXIT_FILE) or {}
-        if returncode == 0:
-            return Outcome("done", batch)
         if record.get("state") in ("resumable", "fatal"):
             return Outcome(record["state"], int(record.get("batch", batch)), str(record.get("message", "")))
+        if returncode == 0:
+            return Outcome("done", batch)
         return Outcome("crash", batch, f"torchrun exited {returncode}")
 
     def tear_down(self, hung: list[int]) -> None:
@@ -261,8 +328,17 @@ class Supervisor:
         assert self.proc is not None
         procs = descendants(self.proc.pid)
         ranks = {beat.pid: beat.rank for beat in control.read_heartbeats(self.folder)}
-        self.log(f"rank(s) {hung} hung (no step for {self.supervision.hang_timeout_s:g} s); stacks follow")
-        for pid, rank in sorted(ranks.items(), key=lambda item: item[1]):
-            self.log(f"--- rank {rank} (pid {pid}) ---\n{stack_of(pid)}")
+        self.log_stacks(hung, ranks)
+        kill_ranks_first(self.proc.pid)
         kill_all([*procs, self.proc.pid])
         self.proc.wait()
+
+    def log_stacks(self, hung: list[int], ranks: Mapping[int, int]) -> None:
+        """`ranks`: pid -> rank. Names the stopped ones: they hold everyone else in a collective."""
+        held = [f"rank {rank} (pid {pid})" for pid, rank in sorted(ranks.items()) if stopped(pid)]
+        why = f"; {', '.join(held)} is stopped (SIGSTOP or a tracer)" if held else ""
+        self.log(
+            f"rank(s) {hung} hung (no step for {self.supervision.hang_timeout_s:g} s){why}; stacks follow"
+        )
+        for pid, rank in sorted(ranks.items(), key=lambda item: item[1]):
+            self.log(f"--- rank {rank} (pid {pid}) ---\n{stack_of(pid)}")

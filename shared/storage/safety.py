@@ -17,6 +17,8 @@ from pathlib import Path
 
 from shared.storage.errors import StorageError
 
+NODE_TMPDIR_ENV = "SD_NODE_TMPDIR"  # the node's temp folder, when a supervisor gave the ranks a scratch one
+
 # `scheme://user:password@host`: the userinfo part of any URL inside a text.
 _URL_USERINFO = re.compile(r"(?P<scheme>\b[a-zA-Z][a-zA-Z0-9+.-]*://)[^/\s@'\"]+@")
 REDACTED = "***"
@@ -76,9 +78,12 @@ def private_temp_dir(name: str, config_key: str) -> Path:
 
     A fixed path in /tmp is computable by every user of the machine; one planted there (a folder owned by
     someone else, writable by others, or a symlink) is refused, naming the path and the config key to set
-    instead, never used.
+    instead, never used. Under a supervisor the ranks' own temp folder is a scratch folder removed when the
+    launch ends; these folders (a cache, a run's logs) outlive it, in the node's temp folder
+    ($SD_NODE_TMPDIR, shared/launch/control.py).
     """
-    path = Path(tempfile.gettempdir()) / f"{name}-{os.getuid()}"
+    base = os.environ.get(NODE_TMPDIR_ENV) or tempfile.gettempdir()
+    path = Path(base) / f"{name}-{os.getuid()}"
     with contextlib.suppress(FileExistsError):
         os.mkdir(path, 0o700)  # atomic: either we create it (ours, 0700) or we check what is there
     problem = _not_private_reason(path)

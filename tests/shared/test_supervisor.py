@@ -132,3 +132,80 @@ def test_max_wall_time_becomes_the_ranks_deadline_less_the_lead(tmp_path: Path) 
     assert code == control.EXIT_DONE
     deadline = float((tmp_path / "deadline").read_text())  # written to the millisecond
     assert before + 90 - 0.001 <= deadline <= time.time() + 90
+
+
+# ---------------------------------------------------- several nodes: torchrun's elastic agent restarts
+def elastic_run(tmp_path: Path, generations: list[str], **supervision: float) -> tuple[int, list[str], float]:
+    """A fake torchrun that runs one "rank" per generation in turn (as its elastic agent restarts the worker
+    group), then exits 0; the supervisor watches it with `elastic`."""
+    ranks = "".join(f"bash -c {shlex_quote(body)}\n" for body in generations)
+    lines: list[str] = []
+    env = {**os.environ, "T": str(tmp_path)}
+    argv = script(tmp_path, ranks + "exit 0\n")
+    start = time.monotonic()
+    settings = Supervision(**{**FAST, **supervision}, elastic=True)  # type: ignore[arg-type]
+    code = Supervisor(argv, settings, env=env, log=lines.append).run()
+    return code, lines, time.monotonic() - start
+
+
+def shlex_quote(text: str) -> str:
+    import shlex
+
+    return shlex.quote(textwrap.dedent(text))
+
+
+def beat(batch: int, then: str) -> str:
+    return f'echo "{batch} $$" > "$SD_CONTROL_DIR/heartbeat-rank1"; {then}'
+
+
+def test_elastic_a_rank_restarted_by_torchrun_is_logged_and_the_run_finishes(tmp_path: Path) -> None:
+    code, lines, _ = elastic_run(tmp_path, [beat(5, "sleep 0.5; kill -9 $$"), beat(8, "sleep 0.5")])
+    assert code == control.EXIT_DONE, lines
+    assert attempts(tmp_path) == 1  # the supervisor never restarted torchrun itself
+    assert any(
+        "crash at step 5: torchrun restarted every node's ranks, restart 1/3" in line for line in lines
+    )
+
+
+def test_elastic_the_same_step_twice_stops_every_node(tmp_path: Path) -> None:
+    dies = beat(5, "sleep 0.5; kill -9 $$")
+    code, lines, took = elastic_run(tmp_path, [dies, dies, beat(5, "sleep 60")], max_restarts=5)
+    assert code == control.EXIT_GAVE_UP, lines
+    assert "again at step 5" in lines[-1] and "stopping every node" in lines[-1]
+    assert took < 30  # torchrun (and its third generation) was stopped, not waited for
+
+
+def test_elastic_a_stopped_rank_is_named_and_killed_so_torchrun_restarts_it(tmp_path: Path) -> None:
+    code, lines, _ = elastic_run(tmp_path, [beat(3, "kill -STOP $$"), beat(6, "sleep 0.5")], hang_timeout_s=1)
+    assert code == control.EXIT_DONE, lines
+    text = "\n".join(lines)
+    assert "is stopped (SIGSTOP" in text and "--- rank 1 (pid" in text
+    assert "hang at step 3: torchrun restarted every node's ranks, restart 1/3" in text
+
+
+def test_elastic_ranks_that_saved_on_a_stop_exit_0_and_the_supervisor_exits_resumable(tmp_path: Path) -> None:
+    record = '{"state": "resumable", "batch": 4, "message": "stopped at batch 4"}'
+    body = beat(4, f"echo '{record}' > \"$SD_CONTROL_DIR/exit.json\"; exit 0")
+    code, lines, _ = elastic_run(tmp_path, [body])
+    assert code == control.EXIT_RESUMABLE and "stopped at batch 4" in lines[-1]
+
+
+def test_supervise_cli_reads_the_flags_the_specs_write(monkeypatch) -> None:
+    from shared.launch import supervise
+
+    seen: list[tuple[list[str], Supervision]] = []
+
+    class Recording:
+        def __init__(self, command: list[str], supervision: Supervision, deadline: float | None = None):
+            seen.append((command, supervision))
+
+        def run(self) -> int:
+            return 75
+
+    monkeypatch.setattr(supervise, "Supervisor", Recording)
+    settings = Supervision(
+        max_restarts=2, hang_timeout_s=30, max_wall_time_s=600, deadline_lead_s=40, elastic=True
+    )
+    assert supervise.main([*settings.flags(), "--", "torchrun", "--nnodes=2", "-m", "train"]) == 75
+    assert seen == [(["torchrun", "--nnodes=2", "-m", "train"], settings)]
+    assert supervise.main(["--max-restarts=2"]) == 2  # no command: a usage error

@@ -21,7 +21,7 @@ import typer
 import yaml
 from typer.testing import CliRunner
 
-from shared.batching import BatchingError
+from shared.batching import BatchingError, derive_batching
 from shared.launch import steps
 from shared.launch.plan import (
     LaunchError,
@@ -31,6 +31,7 @@ from shared.launch.plan import (
     derive_topology,
     job_name,
     local_torchrun,
+    torchrun_args,
 )
 from shared.launch.report import summarize
 from shared.launch.specs import (
@@ -45,6 +46,7 @@ from shared.launch.specs import (
     render_sbatch,
     render_template,
 )
+from shared.launch.steps import inside_single_quotes
 from train.cli import app
 from train.launch import launch_command, plan_train
 
@@ -57,7 +59,8 @@ PROBE_SOURCE = """
 import json, os, sys
 out = os.environ["PROBE_OUT"]
 record = {k: os.environ.get(k) for k in
-          ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "MASTER_ADDR")}
+          ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "GROUP_RANK",
+           "TORCHELASTIC_RUN_ID")}
 record["argv"] = sys.argv[1:]
 if os.environ.get("MASTER_ADDR"):
     import torch, torch.distributed as dist
@@ -281,8 +284,13 @@ def test_unknown_config_name_lists_the_known_ones() -> None:
 
 
 def test_batching_errors_are_the_shared_ones(train_yaml: Path) -> None:
+    """A batch that does not split refuses the plan (a dry run still prints it) with the shared message."""
+    plan = plan_train(str(train_yaml), [], LaunchOptions(3, "slurm", gpus_per_node=3))
     with pytest.raises(BatchingError, match="global_batch_size=2048 is not divisible by the world size 3"):
-        plan_train(str(train_yaml), [], LaunchOptions(3, "slurm", gpus_per_node=3))
+        derive_batching(2048, 3, 8)
+    assert plan.refusal is not None and "global_batch_size=2048 is not divisible by the world size 3" in (
+        plan.refusal
+    )
 
 
 def test_missing_sbatch_and_kubectl_name_the_fix(train_yaml: Path, tmp_path: Path, monkeypatch) -> None:
@@ -388,33 +396,38 @@ def test_rendered_slurm_script_rendezvouses_two_nodes(tmp_path: Path) -> None:
     for name in ("scontrol", "srun"):
         (bin_dir / name).chmod(0o755)
     topo = Topology(nodes=2, gpus_per_node=1)
+    flags = torchrun_args(topo, "$MASTER_ADDR", "$MASTER_PORT", "$RDZV_ID", 0)
     values = {
         "nodes": 2,
-        "gpus_per_node": 1,
         "layout": "2 nodes x 1 GPU",
         "master_port": free_port(),
         "torchrun": local_torchrun(),
+        "torchrun_flags": inside_single_quotes(flags),
         "program": "launch_probe --flag 'a b'",
         "python": sys.executable,
-        "supervise_flags": "--max-restarts=0",
+        "supervise_flags": "--max-restarts=0 --elastic",
         "lead_s": "60",
         "max_requeues": 0,
     }
     env_block = render_env_exports(load_env_vars(efa=False))
     header = SbatchHeader("probe", "probe", node_resources(topo), SlurmSite(), env_block, str(tmp_path))
     script = render_sbatch(SLURM_NODES, header, values)
-    slurm = {"SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_CPUS_ON_NODE": "2"}
+    slurm = {
+        "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_CPUS_ON_NODE": "2", "SLURM_JOB_ID": "7",
+    }  # fmt: skip
     env.update(PATH=f"{bin_dir}{os.pathsep}{env['PATH']}", **slurm)
     result = subprocess.run(
         ["bash", "-c", script], env=env, capture_output=True, text=True, timeout=PROBE_TIMEOUT_S, check=False
     )
     assert result.returncode == 0, result.stdout + result.stderr
     records = probe_records(out)
-    assert [(r["RANK"], r["NODE_RANK"], r["WORLD_SIZE"]) for r in records] == [
+    # The c10d rendezvous numbers the nodes (GROUP_RANK), in whichever order they arrive.
+    assert [(r["RANK"], r["GROUP_RANK"], r["WORLD_SIZE"]) for r in records] == [
         ("0", "0", "2"),
         ("1", "1", "2"),
     ]
-    assert all(r["all_reduce"] == 3.0 and r["MASTER_ADDR"] == "127.0.0.1" for r in records)
+    assert sorted(r["NODE_RANK"] for r in records) == ["0", "1"]  # the Slurm node ids, one per node
+    assert all(r["all_reduce"] == 3.0 and r["TORCHELASTIC_RUN_ID"] == "probe-7-0" for r in records)
     assert records[0]["argv"] == ["--flag", "a b"]
 
 
@@ -443,17 +456,22 @@ def test_k8s_manifest_has_replicas_gpus_command_and_env(train_yaml: Path, monkey
     [container] = pod["containers"]
     assert container["image"] == "reg/sd:1"
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 8
-    # Each pod's supervisor restarts its torchrun and saves on SIGTERM within the grace period.
+    # torchrun's elastic agents restart every pod's ranks together; each pod's supervisor watches and saves
+    # on SIGTERM within the grace period.
     assert pod["terminationGracePeriodSeconds"] >= 30
+    assert plan.supervision is not None and plan.supervision.elastic
     supervise = ["python", "-m", "shared.launch.supervise", *plan.supervision.flags(), "--"]
+    assert supervise[-2] == "--elastic"
     assert container["command"] == [
         *supervise,
         "torchrun",
         "--nnodes=4",
         "--nproc-per-node=8",
-        "--node-rank=$(NODE_RANK)",
-        "--master-addr=sd-train-sd2-test-0.sd-train-sd2-test",
-        "--master-port=29400",
+        "--rdzv-backend=c10d",
+        "--rdzv-endpoint=sd-train-sd2-test-0.sd-train-sd2-test:29400",
+        "--rdzv-id=$(RDZV_ID)",
+        "--rdzv-conf=join_timeout=600",
+        f"--max-restarts={plan.supervision.max_restarts}",
         "-m",
         "train",
         "fit",
@@ -462,6 +480,7 @@ def test_k8s_manifest_has_replicas_gpus_command_and_env(train_yaml: Path, monkey
     ]
     env = {entry["name"]: entry for entry in container["env"]}
     assert "job-completion-index" in env["NODE_RANK"]["valueFrom"]["fieldRef"]["fieldPath"]
+    assert "controller-uid" in env["RDZV_ID"]["valueFrom"]["fieldRef"]["fieldPath"]  # the Job's uid
     assert env["S3_ENDPOINT_URL"]["value"] == "http://minio:9000"  # passed through from the launching shell
     assert env["NCCL_SOCKET_IFNAME"]["value"] == "eth0"  # the shell's value wins over the default
     secret = env["AWS_SECRET_ACCESS_KEY"]["valueFrom"]["secretKeyRef"]
@@ -549,11 +568,12 @@ def test_two_local_node_launches_meet_at_one_rendezvous(tmp_path: Path) -> None:
         _, err = proc.communicate(timeout=PROBE_TIMEOUT_S)
         assert proc.returncode == 0, err
     records = probe_records(out)
-    assert [(r["RANK"], r["NODE_RANK"], r["WORLD_SIZE"]) for r in records] == [
+    # One rank per node (gpus=2 over 2 nodes); the c10d rendezvous numbers the nodes in arrival order.
+    assert [(r["RANK"], r["GROUP_RANK"], r["WORLD_SIZE"]) for r in records] == [
         ("0", "0", "2"),
         ("1", "1", "2"),
     ]
-    assert all(r["all_reduce"] == 3.0 for r in records)
+    assert all(r["all_reduce"] == 3.0 and r["TORCHELASTIC_RUN_ID"] == "sd-train-probe" for r in records)
 
 
 # ------------------------------------------------------------------------------------------ fits the cluster
@@ -697,7 +717,7 @@ def test_sd2_dry_run_shows_communication_checkpoint_and_save_share() -> None:
     """Hand arithmetic: P = 865,910,724; W = 256 (32 nodes); bf16 params, fp32 grads; 1 GB/s per node."""
     code, out = cli(
         "launch", "--config", "sd2-base-256", "--gpus", "256", "--launcher", "slurm", "--dry-run",
-        "data.uri=s3://b/d",
+        "data.uri=s3://b/d", "save_folder=s3://b/run",
     )  # fmt: skip
     assert code == 0, out
     p, ring = 865_910_724, 255 / 256
@@ -714,6 +734,7 @@ def test_sd2_dry_run_shows_communication_checkpoint_and_save_share() -> None:
     code, out = cli(
         "launch", "--config", "sd2-base-256", "--gpus", "256", "--launcher", "slurm", "--dry-run",
         "data.uri=s3://b/d", "device_microbatch_size=4", "fsdp_reduce_dtype=bf16", "--write-gb-per-s", "2",
+        "save_folder=s3://b/run",
     )  # fmt: skip
     assert code == 0, out
     assert "2 accumulation steps under FSDP" in out and "raise device_microbatch_size to 8" in out
@@ -723,7 +744,102 @@ def test_sd2_dry_run_shows_communication_checkpoint_and_save_share() -> None:
     code, out = cli(
         "launch", "--config", "sd2-base-256", "--gpus", "256", "--launcher", "slurm", "--dry-run",
         "data.uri=s3://b/d", "device_microbatch_size=4", "fsdp_reduce_dtype=bf16", "fsdp_no_sync=false",
+        "save_folder=s3://b/run",
     )  # fmt: skip
     assert code == 0, out
     assert f"2 reduce-scatters of bf16 grads {2 * ring * p * 2 / 1e9:.3f} GB" in out
     assert "set fsdp_no_sync=true" in out
+
+
+# ------------------------------------------------------------- LAUNCHER=auto, refusals, node-local things
+def fake_binary(folder: Path, name: str, body: str = "exit 0") -> None:
+    (folder / name).write_text(f"#!/bin/bash\n{body}\n")
+    (folder / name).chmod(0o755)
+
+
+S3_SAVE = "save_folder=s3://bucket/runs/p1"
+
+
+def test_auto_launcher_picks_slurm_where_sbatch_is_found_and_says_so(
+    train_yaml: Path, tmp_path: Path, monkeypatch
+) -> None:
+    fake_binary(tmp_path, "sbatch")
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    code, out = cli("launch", "--config", str(train_yaml), "--gpus", "256", "--dry-run", S3_SAVE)
+    assert code == 0, out
+    assert "launcher         slurm (LAUNCHER=auto: 32 nodes and `sbatch` is on PATH" in out
+    assert "--rdzv-backend=c10d" in out and '"--rdzv-id=$RDZV_ID"' in out  # the sbatch script
+    one = plan_train(
+        str(train_yaml), ["global_batch_size=8", "device_microbatch_size=8"], LaunchOptions(1, "auto")
+    )
+    assert one.options.launcher == "local" and not one.options.picked  # one node stays here
+
+
+def test_auto_launcher_picks_k8s_where_kubectl_has_a_context(
+    train_yaml: Path, tmp_path: Path, monkeypatch
+) -> None:
+    fake_binary(tmp_path, "kubectl", 'echo "prod-cluster"')
+    monkeypatch.setenv("PATH", str(tmp_path))  # no sbatch
+    options = LaunchOptions(16, "auto", image="reg/sd:1")
+    assert (options.launcher, options.picked) == (
+        "k8s",
+        "2 nodes and kubectl's current context is 'prod-cluster'",
+    )
+    fake_binary(tmp_path, "kubectl", "exit 1")  # kubectl without a current context
+    assert LaunchOptions(16, "auto").launcher == "local"
+
+
+def test_a_refused_dry_run_still_prints_the_whole_plan(train_yaml: Path, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))  # neither sbatch nor kubectl: local, which cannot hold 2 nodes
+    code, out = cli(
+        "launch", "--config", str(train_yaml), "--gpus", "16", "--dry-run", f"save_folder={tmp_path}"
+    )
+    assert code == 2
+    assert "launch plan: train" in out and "batch            global 2048" in out and "step 1: torchrun" in out
+    refused = [line for line in out.splitlines() if line.startswith("  refused")]
+    assert "2 nodes do not fit on this machine" in "\n".join(refused)
+    assert "is a local path and this run has 2 nodes" in "\n".join(refused)  # both reasons, each with its fix
+    assert out.rstrip().splitlines()[-1].startswith("launch error:")
+
+
+def test_a_local_save_folder_on_several_nodes_is_refused_unless_declared_shared(train_yaml: Path) -> None:
+    local = plan_train(str(train_yaml), ["save_folder=/scratch/run"], LaunchOptions(16, "slurm"))
+    assert local.refusal is not None and "save_folder=s3://" in local.refusal
+    assert "--shared-save-folder" in local.refusal
+    shared = LaunchOptions(16, "slurm", shared_save_folder=True)
+    assert plan_train(str(train_yaml), ["save_folder=/scratch/run"], shared).refusal is None
+    assert plan_train(str(train_yaml), [S3_SAVE], LaunchOptions(16, "slurm")).refusal is None
+    one_node = ["save_folder=/scratch/run", "global_batch_size=8", "device_microbatch_size=1"]
+    assert plan_train(str(train_yaml), one_node, LaunchOptions(8, "slurm")).refusal is None
+    code, out = cli("launch", "--config", str(train_yaml), "--gpus", "16", "--launcher", "slurm", "--dry-run",
+                    "--shared-save-folder", "save_folder=/scratch/run")  # fmt: skip
+    assert code == 0, out
+    assert "checkpoints: /scratch/run (one folder every node mounts: --shared-save-folder)" in out
+
+
+def test_the_dry_run_says_where_each_node_local_thing_lives(train_yaml: Path) -> None:
+    plan = plan_train(str(train_yaml), [S3_SAVE, "data.cache_dir=/nvme/cache"], LaunchOptions(16, "slurm"))
+    text = summarize(plan)
+    rows = [line for line in text.splitlines() if line.startswith("  node-local")]
+    assert any("Streaming cache on each node: /nvme/cache" in row for row in rows)
+    assert any("control folder on each node: <tmp>/sd-control-*" in row for row in rows)
+    assert any("lease: one, by global rank 0" in row for row in rows)
+    assert any("sample renderer's local rank 0" in row and "sd-pretrain-runs" in row for row in rows)
+
+
+def test_every_multi_node_spec_uses_the_elastic_c10d_rendezvous(train_yaml: Path) -> None:
+    """torchrun restarts every node together (resilience.max_restarts); the supervisor only watches."""
+    overrides = [S3_SAVE, "resilience.max_restarts=5"]
+    script = plan_train(str(train_yaml), overrides, LaunchOptions(16, "slurm")).steps[0].stdin or ""
+    assert '--rdzv-backend=c10d "--rdzv-endpoint=$MASTER_ADDR:$MASTER_PORT" "--rdzv-id=$RDZV_ID"' in script
+    assert "--max-restarts=5 " in script and "--elastic" in script and "--node-rank" not in script
+    assert 'RDZV_ID="sd-train-sd2-test-$SLURM_JOB_ID-$SEGMENT"' in script  # one run id per job and segment
+    options = LaunchOptions(16, master_addr="10.0.0.5", master_port=29400)
+    local = plan_train(str(train_yaml), overrides, options)
+    argv = local.steps[0].argv
+    assert (
+        "--rdzv-endpoint=10.0.0.5:29400" in argv and "--max-restarts=5" in argv and "--standalone" not in argv
+    )
+    assert local.supervision is not None and local.supervision.elastic
+    single = plan_train(str(train_yaml), [*overrides, "global_batch_size=8", "device_microbatch_size=1"])
+    assert single.supervision is not None and not single.supervision.elastic  # one node: it restarts torchrun

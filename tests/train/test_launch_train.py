@@ -126,7 +126,8 @@ def test_two_local_nodes_train_checkpoint_and_resume_after_being_stopped(
         for rank in (0, 1):
             # Each "node" has its own shard cache, as separate machines would.
             overrides = tiny_overrides(dataset, save, tmp_path / f"cache-node{rank}", *settings)
-            flags = ["--gpus", "2", "--nodes", "2", "--node-rank", str(rank)]
+            # Both "nodes" see one save folder (one machine): say so, or a local one on 2 nodes is refused.
+            flags = ["--gpus", "2", "--nodes", "2", "--node-rank", str(rank), "--shared-save-folder"]
             flags += ["--master-addr", "127.0.0.1", "--master-port", str(port)]
             log, tmp = tmp_path / f"node{rank}.log", tmp_path / f"tmp-node{rank}"
             tmp.mkdir(exist_ok=True)

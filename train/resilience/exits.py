@@ -22,11 +22,18 @@ class ResumableStop(Exception):
         )
 
 
+def resumable_exit_code() -> int:
+    """75 for a run started by hand; 0 under a supervisor, which reads the `resumable` record and exits 75
+    itself: torchrun's elastic agent restarts ranks that exit non-zero, and a stop must not restart."""
+    return control.EXIT_RESUMABLE if control.control_dir() is None else control.EXIT_DONE
+
+
 def record_exit(state: str, batch: int, message: str) -> None:
     """Tell the supervisor why the ranks are stopping (`resumable` or `fatal`); a no-op without one.
 
-    Global rank 0 writes it for a decision every rank shares; a fatal error may be seen by any rank alone,
-    so every rank that sees one writes it (the file is replaced atomically, the last writer wins).
+    Local rank 0 writes it for a decision every rank shares (each node's supervisor reads its own folder); a
+    fatal error may be seen by any rank alone, so every rank that sees one writes it (the file is replaced
+    atomically, the last writer wins).
     """
     folder = control.control_dir()
     if folder is None or not folder.is_dir():

@@ -84,6 +84,12 @@ class ResilienceMonitor(Callback):
         self.last_save = time.monotonic()
         self.group = flag_group()
 
+    def fit_end(self, state: State, logger: Logger) -> None:
+        # Training is over: the close that follows (the last checkpoint's upload, Composer's barrier) may
+        # take longer than hang_timeout_s, and is not a hang.
+        if self.folder is not None:
+            control.write_heartbeat(self.folder, dist.get_global_rank(), int(state.timestamp.batch), True)
+
     def _on_signal(self, signum: int, frame: Any) -> None:
         self.signalled = signal.Signals(signum).name
 
@@ -138,7 +144,7 @@ class StopAfterSave(Callback):
         if saved:
             self.monitor.last_save = time.monotonic()
             folder = self.monitor.folder
-            if folder is not None and dist.get_global_rank() == 0:
+            if folder is not None and dist.get_local_rank() == 0:  # each node's supervisor reads its own
                 control.write_json(
                     folder / control.PROGRESS_FILE, {"saved_batch": batch, "checkpoint": checkpoint}
                 )
@@ -146,9 +152,20 @@ class StopAfterSave(Callback):
         if reason is None or at_end(state):  # the last step: saved, and the run ends by itself
             return
         stop = ResumableStop(batch, reason, checkpoint)
-        if dist.get_global_rank() == 0:
+        if self.monitor.folder is not None:  # no more steps: the upload below is not a hang
+            control.write_heartbeat(self.monitor.folder, dist.get_global_rank(), batch, finished=True)
+        finish_uploads(self.saver, state, logger)
+        if dist.get_local_rank() == 0:
             record_exit("resumable", batch, str(stop))
         raise stop
+
+
+def finish_uploads(saver: Any, state: State, logger: Logger) -> None:
+    """An s3:// save folder: wait until this save is uploaded and write its `latest` pointer, as Composer's
+    CheckpointSaver does at FIT_END, which a stop never reaches (a SIGTERM with an s3:// save_folder left
+    no `latest`, so the rerun would not have resumed from the step just saved; seen in the two-node test)."""
+    if saver is not None and getattr(saver, "remote_uploader", None) is not None:
+        saver.fit_end(state, logger)
 
 
 def at_end(state: State) -> bool:

@@ -1,0 +1,190 @@
+"""The ranks' processes as one node's supervisor (shared/launch/supervisor.py) sees them: the process tree
+under torchrun, which of them still run or are stopped, their Python stacks, the /dev/shm files they map,
+and, on several nodes, the generations torchrun's elastic agent starts.
+
+Generations: the agent restarts every node's ranks itself (a `c10d` rendezvous, `--max-restarts`), so the
+supervisor only sees its ranks' heartbeats (shared/launch/control.py) change hands: the processes that wrote
+them are gone, and new processes write them. That change is a restart; the highest step of the generation
+that ended is where it failed, and two restarts from the same step are a crash loop.
+Light: the standard library only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from shared.launch.control import Heartbeat
+
+STACK_TIMEOUT_S = 30  # py-spy reads a process's memory; a few seconds even for a large one
+RANK_EXIT_GRACE_S = 5.0  # a killed rank's resource tracker and loader workers notice within a second
+SHM = "/dev/shm/"
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid`, from /proc (torchrun starts its ranks in sessions of their own, so a
+    process-group kill misses them)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def py_spy() -> str | None:
+    beside = Path(sys.executable).parent / "py-spy"
+    return str(beside) if beside.exists() else shutil.which("py-spy")
+
+
+def stack_of(pid: int) -> str:
+    """A process's Python stacks, taken from outside (works on a stopped or wedged process)."""
+    tool = py_spy()
+    if tool:
+        try:
+            done = subprocess.run(
+                [tool, "dump", "--pid", str(pid), "--nonblocking"],
+                capture_output=True, text=True, timeout=STACK_TIMEOUT_S, check=False,
+            )  # fmt: skip
+            if done.returncode == 0:
+                return done.stdout
+        except subprocess.TimeoutExpired:
+            pass
+    try:  # without py-spy: the kernel's view (state and where it sleeps)
+        status = Path(f"/proc/{pid}/status").read_text().splitlines()
+        state = next((line for line in status if line.startswith("State:")), "State: ?")
+        wchan = Path(f"/proc/{pid}/wchan").read_text()
+        return f"{state}; waiting in {wchan or '?'} (install py-spy for Python stacks)"
+    except OSError as err:
+        return f"unreadable: {err}"
+
+
+def alive(pid: int) -> bool:
+    """A process that still runs (or is stopped); a zombie waiting for its parent counts as gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+
+
+def stopped(pid: int) -> bool:
+    """Stopped by a signal (SIGSTOP, SIGTSTP) or a tracer: it cannot answer anything until SIGCONT."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except OSError:
+        return False
+
+
+def kill_ranks_first(parent: int, grace_s: float = RANK_EXIT_GRACE_S) -> None:
+    """SIGKILL `parent`'s children (the ranks under torchrun) first and give their own children a moment to
+    exit by themselves: Python's resource tracker unlinks a dead rank's semaphores from /dev/shm only if it
+    outlives the rank (killing it too left 20 `sem.mp-*` behind in the two-node test). Whatever of the
+    tree still runs after `grace_s` is SIGKILLed."""
+    tree = descendants(parent)
+    ranks = [pid for pid in tree if _parent_of(pid) == parent]
+    kill_all(ranks)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and any(alive(pid) for pid in tree if pid not in ranks):
+        time.sleep(0.1)
+    kill_all(tree)
+
+
+def _parent_of(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def kill_all(pids: Sequence[int]) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)  # SIGKILL also ends a SIGSTOPped process
+
+
+def mapped_shm(pids: Iterable[int]) -> set[str]:
+    """The /dev/shm files (Python's named semaphores `sem.mp-*`, Streaming's shared memory) the processes
+    map: the supervisor unlinks those still there when it exits, since a rank SIGKILLed together with its
+    resource tracker (torchrun kills the rank's process group) never unlinks them."""
+    found = set()
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+                parts = line.split(maxsplit=5)
+                if len(parts) == 6 and parts[5].startswith(SHM):
+                    found.add(parts[5].removesuffix(" (deleted)"))
+    return found
+
+
+def forget_shm(paths: Iterable[str]) -> int:
+    """Unlink the files (a process of the run mapped them; none is left to use them); how many were there."""
+    removed = 0
+    for path in paths:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+            removed += 1
+    return removed
+
+
+@dataclass
+class Generations:
+    """The ranks' processes of the current generation on this node, and the restarts seen so far."""
+
+    pids: set[int] = field(default_factory=set)
+    batch: int = -1  # the highest step this generation completed
+    restarts: int = 0
+    last_failure: int | None = None  # the step the previous restart happened at
+    cause: str = "crash"  # what ended the current generation, for the log: crash | hang
+
+    def observe(self, beats: Iterable[Heartbeat], alive: Callable[[int], bool]) -> int | None:
+        """Adopt this poll's heartbeats; the ended generation's highest step when a new one has started.
+
+        New pids alone are no restart (a node's ranks write their first heartbeats one after another); new
+        pids while some of the generation's processes are gone are. A clean exit writes no new heartbeat."""
+        live = [beat for beat in beats if alive(beat.pid)]
+        fresh = [beat for beat in live if beat.pid not in self.pids]
+        ended = None
+        if fresh and any(not alive(pid) for pid in self.pids):
+            ended, self.pids, self.batch = self.batch, set(), -1
+        for beat in live:
+            self.pids.add(beat.pid)
+            self.batch = max(self.batch, beat.batch)
+        return ended
+
+    def restarted(self, step: int) -> bool:
+        """Count a restart from `step`; False when the previous one was from the same step (a crash loop)."""
+        if self.last_failure == step:
+            return False
+        self.restarts, self.last_failure = self.restarts + 1, step
+        return True
+
+    def hung(
+        self, beats: Iterable[Heartbeat], alive: Callable[[int], bool], now: float, timeout_s: float
+    ) -> list[int]:
+        """Ranks of this generation, still running (or stopped), whose last step is older than timeout_s."""
+        return sorted(
+            beat.rank
+            for beat in beats
+            if beat.pid in self.pids
+            and not beat.finished
+            and alive(beat.pid)
+            and now - beat.mtime > timeout_s
+        )
