@@ -16,12 +16,21 @@ import gc
 import os
 import re
 import shutil
+import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 SHM = Path("/dev/shm")
+# What a job may keep in its temp folder after it ends: the Streaming cache, the run's log folder and the
+# lease locks (documented defaults of data.cache_dir / log.local_dir, shared.storage.private_temp_dir).
+RUN_KEEPS = ("sd-pretrain-streaming-", "sd-pretrain-runs-", "sd-pretrain-locks-")
+# A command in a /dev/shm of its own (a private mount namespace with a tmpfs, as a separate host has), then
+# what it left there, written to $SHM_LEFT: `unshare -m --propagation private sh -c PRIVATE_SHM sh CMD...`.
+PRIVATE_SHM = (
+    'mount -t tmpfs -o size=1g tmpfs /dev/shm || exit 97; "$@"; rc=$?; ls -A /dev/shm > "$SHM_LEFT"; exit $rc'
+)
 RUN_PREFIX = "sd-pretrain-tests-"
 PRODUCT_CACHE_PREFIX = "sd-pretrain-"  # shared.storage.private_temp_dir folders (locks, caches, run logs)
 _SEGMENT = re.compile(r"^(\d{6})_[a-z_]+$")  # Streaming's `<prefix>_<what>`
@@ -32,6 +41,19 @@ class Run:
     system_temp: Path
     temp: Path  # this run's TMPDIR
     shm_before: set[str] = field(default_factory=set)
+
+
+def private_shm_works() -> bool:
+    """Whether `unshare -m` and a tmpfs mount work here (root or CAP_SYS_ADMIN, util-linux)."""
+    if shutil.which("unshare") is None:
+        return False
+    probe = ["unshare", "-m", "--propagation", "private", "sh", "-c", "mount -t tmpfs tmpfs /dev/shm"]
+    return subprocess.run(probe, capture_output=True, check=False).returncode == 0
+
+
+def in_private_shm(argv: list[str]) -> list[str]:
+    """`argv` in a /dev/shm of its own; what it left there lands in the file $SHM_LEFT names."""
+    return ["unshare", "-m", "--propagation", "private", "sh", "-c", PRIVATE_SHM, "sh", *argv]
 
 
 def start_run() -> Run:

@@ -12,6 +12,7 @@ from typing import NoReturn
 
 from shared.launch.plan import ARRAY_JOB_ID, LaunchError, LaunchPlan, Step, workdir
 from shared.launch.supervisor import Supervision, Supervisor
+from shared.runtime.exits import torchrun_argv
 
 # What to do when a cluster binary is missing from PATH.
 BINARY_FIXES = {
@@ -50,10 +51,13 @@ def require_binaries(plan: LaunchPlan) -> None:
 
 
 def exec_step(step: Step) -> NoReturn:
-    """Replace this process with the step's command, so signals (Ctrl-C, a kill) reach torchrun directly."""
+    """Replace this process with the step's command, so signals (Ctrl-C, a kill) reach torchrun directly.
+    torchrun runs through shared/runtime/exits.py, as under the supervisor: no traceback box for ranks that
+    stopped on purpose, and no torchelastic_* folder left in the temp folder."""
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(step.argv[0], list(step.argv), {**os.environ, **step.env})
+    argv = torchrun_argv(list(step.argv))
+    os.execve(argv[0], argv, {**os.environ, **step.env})
 
 
 def supervise_step(step: Step, supervision: Supervision) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import os
 import tempfile
 import time
 from collections.abc import Iterator
@@ -37,7 +38,7 @@ from train.bench.step import bench_train_steps, count_flops, mfu
 from train.bench.text_store import bench_text_store
 from train.bench.trainer_run import bench_trainer
 from train.config import TrainConfig
-from train.model.assemble import use_channels_last
+from train.model.assemble import INDUCTOR_CACHE_ENV, TRITON_CACHE_ENV, use_channels_last, use_compile_cache
 from train.resilience.signals import restores_signal_handlers
 
 PYTHON_SIDE_TARGET = 0.05  # issue 11: under 5% of a step outside the U-Net forward/backward and optimizer
@@ -273,7 +274,31 @@ def _run_sections(cfg: BenchConfig) -> dict[str, Any]:
 def _scratch(work_dir: str) -> Iterator[Path]:
     if work_dir:
         Path(work_dir).mkdir(parents=True, exist_ok=True)
-        yield Path(work_dir)
+        with _compile_cache_in(Path(work_dir) / "compile-cache"):
+            yield Path(work_dir)
         return
-    with tempfile.TemporaryDirectory(prefix="sd-bench-") as tmp:
+    with (
+        tempfile.TemporaryDirectory(prefix="sd-bench-") as tmp,
+        _compile_cache_in(Path(tmp) / "compile-cache"),
+    ):
         yield Path(tmp)
+
+
+@contextmanager
+def _compile_cache_in(folder: Path) -> Iterator[None]:
+    """Inductor's (and Triton's) caches in the bench's scratch folder, unless the environment names one
+    (`make test-gpu` does, so its second run is faster): by default they go to <temp>/torchinductor_<user>,
+    which the bench would leave behind. The environment is the caller's again afterwards."""
+    if os.environ.get(INDUCTOR_CACHE_ENV):
+        yield
+        return
+    saved = {name: os.environ.get(name) for name in (INDUCTOR_CACHE_ENV, TRITON_CACHE_ENV)}
+    use_compile_cache(str(folder))
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value

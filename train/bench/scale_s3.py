@@ -34,7 +34,7 @@ from shared.storage.s3_server import find_weed_binary, pointed_at, run_seaweedfs
 from train.bench.data import write_synthetic_dataset
 from train.bench.trainer_run import trainer_config
 from train.config import TrainConfig
-from train.loop.trainer import build_trainer
+from train.loop.trainer import build_trainer, close_trainer
 
 S3_RUN_RECIPE, S3_RUN_PRESET, S3_RUN_RESOLUTION = "tiny", "tiny", 64  # any model makes the same requests
 S3_RUN_BATCH = 2
@@ -114,7 +114,7 @@ def fit_counting_requests(cfg: TrainConfig) -> dict[int, dict[str, int]]:
     try:
         trainer.fit()
     finally:
-        trainer.close()
+        close_trainer(trainer)
     return counter.by_step
 
 

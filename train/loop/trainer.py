@@ -12,7 +12,10 @@ import dataclasses
 import json
 import logging
 import os
+import shutil
+import tempfile
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -353,5 +356,22 @@ def fit(cfg: TrainConfig) -> Trainer:
     try:
         trainer.fit()
     finally:
-        trainer.close()
+        close_trainer(trainer)
     return trainer
+
+
+def close_trainer(trainer: Trainer) -> None:
+    """`trainer.close()` (it waits for the checkpoint uploads), then the local staging folder of an s3://
+    save folder: Composer stages those checkpoints in a `tempfile.mkdtemp()` folder of its own and never
+    removes it (composer/callbacks/checkpoint_saver.py), one per run and rank left in the temp folder; the
+    uploader deletes each file once uploaded, so what is left then is empty folders."""
+    saver = trainer._checkpoint_saver
+    try:
+        trainer.close()
+    finally:
+        if saver is not None and saver.remote_uploader is not None:
+            staging = Path(saver.folder).resolve()
+            temp = Path(tempfile.gettempdir()).resolve()
+            root = next((p for p in staging.parents if p.parent == temp), None)
+            if root is not None:  # never anything outside the temp folder
+                shutil.rmtree(root, ignore_errors=True)

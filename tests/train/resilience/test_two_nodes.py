@@ -33,6 +33,7 @@ import pytest
 
 from shared.launch import control
 from shared.launch.supervisor import CONTROL_PREFIX, alive, descendants
+from tests.leftovers import RUN_KEEPS, private_shm_works
 from tests.train.checkpoints.test_resume_ranks import assert_same_weights
 from tests.train.conftest import REPO_ROOT
 from train.checkpoints.files import fetched_checkpoint, find_latest_checkpoint, read_checkpoint
@@ -49,21 +50,11 @@ SETTINGS = [
 ]  # fmt: skip
 WEIGHT_ATOL = 1e-6
 RUN_TIMEOUT_S = 600
-# What a node's temp folder may hold after a run: the Streaming cache and the run's log folder (both
-# documented defaults of data.cache_dir / log.local_dir). Anything else was left behind.
-RUN_KEEPS = ("sd-pretrain-streaming-", "sd-pretrain-runs-", "sd-pretrain-locks-")
 # The node's wrapper: a private /dev/shm, the launch, then what the launch left in /dev/shm.
 NODE_SHELL = (
     'mount -t tmpfs -o size=1g tmpfs /dev/shm || exit 97; "$@"; rc=$?; '
     'ls -A /dev/shm > "$NODE_DIR/shm-left"; exit $rc'
 )
-
-
-def private_shm_works() -> bool:
-    if shutil.which("unshare") is None:
-        return False
-    probe = ["unshare", "-m", "--propagation", "private", "sh", "-c", "mount -t tmpfs tmpfs /dev/shm"]
-    return subprocess.run(probe, capture_output=True, check=False).returncode == 0
 
 
 if not private_shm_works():  # evaluated at collection: root (or CAP_SYS_ADMIN) and util-linux are needed
