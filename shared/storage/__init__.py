@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from shared.storage import transfers
+
 # Re-exported: callers use `storage.StorageError`, `storage.redact_url`, ... as one API.
 from shared.storage.errors import StorageError as StorageError
 from shared.storage.safety import REDACTED as REDACTED
@@ -77,7 +79,9 @@ def _client(endpoint: str | None) -> Any:
     # A fresh session, not boto3's default one: that caches the credentials it first resolved, so a
     # changed AWS_ACCESS_KEY_ID would be ignored even after `_client.cache_clear()`.
     session = boto3.session.Session()
-    client = session.client("s3", endpoint_url=endpoint, config=Config(retries={"max_attempts": 8}))
+    client = session.client(
+        "s3", endpoint_url=endpoint, config=Config(retries={"max_attempts": transfers.BOTOCORE_ATTEMPTS})
+    )
     client.meta.events.register("before-call.s3", _count_request)
     return client
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import io
 import logging
+import os
 import re
 import time
 from collections.abc import Callable
@@ -33,6 +34,9 @@ from shared.storage.errors import StorageError
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+# botocore's attempts per request of our client, and (AWS_MAX_ATTEMPTS) of the clients the libraries build.
+BOTOCORE_ATTEMPTS = 8
+MAX_ATTEMPTS_ENV = "AWS_MAX_ATTEMPTS"
 ATTEMPTS = 4  # tries of one call (or of one stream position) before the error is the caller's
 _BACKOFF_S = 0.2  # doubled every attempt
 # Error codes of a request or response damaged in transit ("400": a HEAD's error has no body to name it).
@@ -204,3 +208,13 @@ class ResumingBody(io.RawIOBase):
 def open_resuming(client: Any, bucket: str, key: str, buffer_size: int = 1 << 20) -> io.BufferedReader:
     """A buffered binary stream over `ResumingBody` (the caller closes it)."""
     return io.BufferedReader(ResumingBody(client, bucket, key), buffer_size=buffer_size)
+
+
+def libraries_retry_like_us() -> None:
+    """Composer's checkpoint uploader and Streaming's shard transfers build boto3 clients of their own, which
+    give up after 3 attempts (Composer asks for botocore's adaptive mode, 3 attempts by default): one
+    InternalError from a loaded SeaweedFS on an UploadPart failed a two-node run's checkpoint upload, and
+    that rank's node then waited for a rendezvous its peer had left. botocore reads AWS_MAX_ATTEMPTS for a
+    client whose config names no count: the same attempts as our own client, unless the environment says
+    otherwise. Call before the libraries start their upload processes (they inherit the environment)."""
+    os.environ.setdefault(MAX_ATTEMPTS_ENV, str(BOTOCORE_ATTEMPTS))

@@ -23,6 +23,7 @@ import yaml
 
 from shared.config import config_to_dict
 from shared.presets import get_preset
+from shared.storage.transfers import libraries_retry_like_us
 from train.checkpoints.files import (
     CHECKPOINT_FILENAME,
     LATEST_PATTERN,
@@ -278,6 +279,7 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
     from train.loop.step import LeanTrainer
     from train.resilience.monitor import ResilienceMonitor, StopAfterSave
 
+    libraries_retry_like_us()  # Composer's uploader and Streaming's downloads: our S3 attempts (transfers.py)
     ctx = prepare_run(cfg)
     model = build_model(ctx)
     write_resolved_config(ctx)
