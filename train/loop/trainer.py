@@ -367,7 +367,7 @@ def close_trainer(trainer: Trainer) -> None:
     save folder: Composer stages those checkpoints in a `tempfile.mkdtemp()` folder of its own and never
     removes it (composer/callbacks/checkpoint_saver.py), one per run and rank left in the temp folder; the
     uploader deletes each file once uploaded, so what is left then is empty folders."""
-    saver = trainer._checkpoint_saver
+    saver = getattr(trainer, "_checkpoint_saver", None)
     try:
         trainer.close()
     finally:
