@@ -39,7 +39,10 @@ LauncherOpt = Annotated[
 ]
 DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="print the plan and the specs; launch nothing")]
 NodeRankOpt = Annotated[
-    int | None, typer.Option("--node-rank", help="local multi-node: this machine's number, for its log only")
+    int | None,
+    typer.Option(
+        "--node-rank", help="local multi-node: this machine's number (0 hosts the rendezvous store)"
+    ),
 ]
 MasterAddrOpt = Annotated[
     str | None, typer.Option("--master-addr", help="local multi-node: node 0's host (the rendezvous)")

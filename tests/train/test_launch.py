@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -558,12 +559,17 @@ def test_two_local_node_launches_meet_at_one_rendezvous(tmp_path: Path) -> None:
     out, env = write_probe(tmp_path)
     port = free_port()
     procs = []
-    for node_rank in (0, 1):
+    # Node 1 first: it only connects to the rendezvous store, which node 0 hosts once it starts. Left to
+    # torchrun, both agents match 127.0.0.1 and node 1 would host it (and take it along when it is lost).
+    for node_rank in (1, 0):
         options = LaunchOptions(
             gpus=2, nodes=2, node_rank=node_rank, master_addr="127.0.0.1", master_port=port
         )
         step = steps.local_step(_local_plan(tmp_path, options))
+        conf = f"--rdzv-conf=join_timeout=600,is_host={'true' if node_rank == 0 else 'false'}"
+        assert conf in step.argv
         procs.append(subprocess.Popen(step.argv, env={**env, **step.env}, stderr=subprocess.PIPE, text=True))
+        time.sleep(2 if node_rank == 1 else 0)
     for proc in procs:
         _, err = proc.communicate(timeout=PROBE_TIMEOUT_S)
         assert proc.returncode == 0, err
