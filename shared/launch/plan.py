@@ -361,18 +361,11 @@ def torchrun_args(
     store_host: bool | None = None,
 ) -> list[str]:
     """torchrun's flags for one node of an elastic `c10d` rendezvous (values may be shell / k8s variables).
-
-    `--nnodes=N` is N:N: every node is needed, and a lost node's replacement joins the next rendezvous round
-    (its agent runs the same command). No `--node-rank`: the rendezvous assigns them.
-
-    The rendezvous store lives in one agent's process. Left to itself, torchrun hosts it on whichever agent
-    binds the endpoint first among those whose addresses match it: on a cluster only node 0's does, but with
-    several "nodes" on one machine (or one address) any node may win, and losing that node then takes the
-    store, and every other node's agent, with it. `store_host` (known where the node's number is) says it.
-    """
+    `--nnodes=N` is N:N: a lost node's replacement joins the next round. The store lives in one agent: the
+    first whose address matches the endpoint hosts it, so with nodes behind one address (the two-node test)
+    losing that node took every agent's store along; `store_host` (node number known) decides instead."""
     conf = f"join_timeout={REJOIN_TIMEOUT_S}"
-    if store_host is not None:
-        conf += f",is_host={'true' if store_host else 'false'}"
+    conf += "" if store_host is None else f",is_host={str(store_host).lower()}"
     return [
         f"--nnodes={topology.nodes}",
         f"--nproc-per-node={topology.gpus_per_node}",
@@ -402,7 +395,6 @@ def local_torchrun_argv(
         flags = ["--standalone", "--nnodes=1", f"--nproc-per-node={topology.gpus_per_node}"]
     else:
         host = options.master_addr or RDZV_HOST_PLACEHOLDER
-        # --node-rank 0 hosts the rendezvous store, the others only connect to it.
         store_host = None if options.node_rank is None else options.node_rank == 0
         flags = torchrun_args(topology, host, str(options.master_port), run_id, max_restarts, store_host)
     return [torchrun, *flags, "-m", *program]
