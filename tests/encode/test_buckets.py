@@ -127,7 +127,8 @@ def test_encode_writes_one_stream_per_bucket(wds: Path, tmp_path: Path, encoders
 
 def test_buckets_keep_a_shape_at_the_edge_that_the_centre_crop_cuts_away() -> None:
     """What the model is trained on: a 5:3 picture with a red circle at its left edge. The centre square
-    (what every sample was before buckets) holds none of it; the 48x80 bucket holds all of it."""
+    (what every sample was before buckets) holds none of it; the 48x80 bucket holds all of it. What a model
+    trained on such pictures keeps: tests/train/data/test_buckets_model.py."""
     from encode.process.images import resize_for_resolutions
     from encode.sample_data import COLORS, encode_image
 
