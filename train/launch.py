@@ -30,6 +30,7 @@ from shared.estimate.cluster import (
     step_comm,
     step_seconds,
 )
+from shared.estimate.memory import MEASURED_AS, memory_check
 from shared.estimate.model import dataset_text_store_line
 from shared.launch.cli import GpuTypeOpt, OverridesArg, launch_command
 from shared.launch.plan import LaunchOptions, LaunchPlan, Topology, plural, program_target, rank_resources
@@ -91,6 +92,8 @@ def plan_train(
     else:
         plan.cluster, notes = cluster_lines(cfg, topology, plan.batching, write_gb_per_s)
         plan.notes += notes
+    plan.memory, warning = memory_plan_line(cfg, topology.world_size, gpu_type)
+    plan.notes += [warning] if warning else []
     first_uri = cfg.data.streams[0].uri if cfg.data.streams else cfg.data.uri  # "" until data.uri is given
     text_store = dataset_text_store_line(topology.world_size, gpu_type, first_uri)
     if cfg.model.preset == REFERENCE_PRESET:
@@ -250,6 +253,40 @@ def cluster_lines(
             f"save_interval={min_interval_for_share(ckpt.full_save_s, step_s)}ba"
         )
     return lines, notes
+
+
+def memory_plan_line(cfg: TrainConfig, world_size: int, gpu_type: str) -> tuple[str, str]:
+    """(the plan's memory row, a warning or ""): device_microbatch_size against `gpu_type`'s memory, from the
+    activations measured for the shipped GPU recipes (shared/estimate/memory.py)."""
+    check = memory_check(
+        gpu_type,
+        cfg.model.preset,
+        cfg.data.resolution,
+        cfg.device_microbatch_size,
+        world_size,
+        strategy_of(cfg),
+        cfg.global_batch_size,
+    )
+    if isinstance(check, str):
+        return check, ""
+    differ = [
+        what
+        for what, differs in (
+            (f"precision={cfg.precision}", cfg.precision not in ("auto", "amp_bf16")),
+            ("model.low_precision_norms=false", not cfg.model.low_precision_norms),
+            ("model.gradient_checkpointing=true", cfg.model.gradient_checkpointing),
+        )
+        if differs
+    ]
+    line = check.line()
+    if differ:
+        line += f" (activations measured as {MEASURED_AS}; this run has {', '.join(differ)})"
+    if check.fits:
+        return line, ""
+    return line, (
+        f"WARNING: device_microbatch_size={cfg.device_microbatch_size} on {gpu_type} ({check.used_gb:.1f} GB "
+        f"of {check.memory_gb:g} GB, at most {check.fit.max_images} per GPU) {check.advice()}"
+    )
 
 
 def run_samples(cfg: TrainConfig) -> int | None:

@@ -13,6 +13,7 @@ from shared.estimate.gpus import (
     DEFAULT_OUT_DIR,
     DEFAULT_SWEEP,
     GPU_TABLE,
+    SD2_GLOBAL_BATCH,
     SD2_SCHEDULE,
     PricingMode,
     ScalingModel,
@@ -20,6 +21,7 @@ from shared.estimate.gpus import (
     _require,
     canonical_gpu_type,
 )
+from shared.estimate.memory import ACTIVATION_BYTES_PER_IMAGE, Strategy
 
 # ----------------------------------------------------------------------------------------------- config
 
@@ -152,6 +154,23 @@ class TextCostConfig:
 
 
 @dataclass
+class MemoryConfig:
+    """The train recipes' batch per GPU against gpu.type's memory (shared/estimate/memory.py); the
+    defaults are jobs/train/sd2-base-256.yaml's and -512.yaml's (a test keeps them equal)."""
+
+    preset: str = "sd2-base"  # a preset with measured activations (ACTIVATION_BYTES_PER_IMAGE)
+    # device_microbatch_size by resolution (px); a schedule resolution not listed is not checked.
+    microbatch: dict[str, int] = allowed(default_factory=lambda: {"256": 8, "512": 8}, ge=1)
+    global_batch: int = allowed(SD2_GLOBAL_BATCH, ge=1)  # global_batch_size (per rank: / gpus)
+    strategy: Strategy = "SHARD_GRAD_OP"  # fsdp_sharding_strategy, or DDP for fsdp=false
+
+    def __post_init__(self) -> None:
+        _check_by_resolution(self.microbatch, "memory.microbatch")
+        known = sorted({preset for preset, _ in ACTIVATION_BYTES_PER_IMAGE})
+        _require(self.preset in known, f"memory.preset must be one of {known}, got {self.preset!r}")
+
+
+@dataclass
 class EstimateConfig:
     """Everything `make estimate` needs; `jobs/estimate/sd2-base.yaml` documents the defaults' sources."""
 
@@ -165,6 +184,7 @@ class EstimateConfig:
     encode: EncodeCostConfig = field(default_factory=EncodeCostConfig)
     storage: StorageConfig = field(default_factory=StorageConfig)
     text: TextCostConfig = field(default_factory=TextCostConfig)  # text.store: embeddings vs tokens
+    memory: MemoryConfig = field(default_factory=MemoryConfig)  # the batch per GPU memory allows
     # GPU counts for the plot
     sweep: list[int] = allowed(default_factory=lambda: list(DEFAULT_SWEEP), ge=1)
     out_dir: str = DEFAULT_OUT_DIR

@@ -12,17 +12,31 @@ Activations per image are measured (`make bench`'s anatomy section: bytes saved 
 and 2b, the difference over b), so they follow the precision, attention kernel and switches of the run.
 A fixed share of memory is kept back for the allocator's fragmentation, cuDNN / cuBLAS workspaces,
 gradient buckets and the transient tensors of backward.
+
+ACTIVATION_BYTES_PER_IMAGE holds that measurement for the shipped GPU recipes, so `make estimate` and the
+train dry run (`memory_check`) can say how much of a GPU the recipe's `device_microbatch_size` uses.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
+
+from shared.estimate.cluster import PRESET_PARAMS
+from shared.estimate.gpus import GPU_TABLE
 
 Strategy = Literal["DDP", "SHARD_GRAD_OP", "FULL_SHARD", "NO_SHARD"]
 STATE_BYTES_PER_PARAM = 4 + 4 + 8 + 4  # fp32 weights, fp32 grads, AdamW exp_avg + exp_avg_sq, EMA
 GATHERED_PARAM_BYTES = 2  # bf16 params FSDP keeps gathered between forward and backward (SHARD_GRAD_OP)
 USABLE_SHARE = 0.85  # of device memory: the rest for fragmentation, workspaces and backward's transients
+
+# The train recipes ACTIVATION_BYTES_PER_IMAGE was measured from (jobs/train/<name>.yaml + overrides): the
+# shipped GPU recipes, and the tiny preset under the same switches (tests re-measure that one, cheaply).
+MEASURED_RECIPES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("sd2-base-256", ()),
+    ("sd2-base-512", ()),
+    ("sd2-base-256", ("model.preset=tiny", "data.resolution=64")),
+)
 
 
 def resident_bytes(params: int, world_size: int = 1, strategy: Strategy = "DDP") -> float:
@@ -64,3 +78,131 @@ def batch_that_fits(
     images = max(0, int((usable - resident) // activation_bytes_per_image))
     power = 1 << (images.bit_length() - 1) if images else 0
     return BatchFit(images, power, resident / 1e9, activation_bytes_per_image / 1e9, usable / 1e9)
+
+
+# Activation bytes saved for backward per image, by (preset, resolution px), as the shipped GPU recipes run:
+# bf16 autocast (CUDA's policy), SDPA attention, model.low_precision_norms=true, eager, no gradient
+# checkpointing, one forward + loss at batch 1 vs 2. Measured on a CPU with CUDA's autocast policy emulated
+# (train/bench/anatomy/memory.py says why the bytes are a GPU's); re-measure (prints these lines):
+#     PYTHONPATH=. .venv/bin/python -m train.bench.anatomy.memory
+# tests/train/test_launch_memory.py re-measures the tiny entry, so a change in what autograd saves shows.
+# torch.compile saves less (inductor recomputes cheap ops in backward): these are an upper bound for it.
+ACTIVATION_BYTES_PER_IMAGE: dict[tuple[str, int], float] = {
+    ("sd2-base", 256): 241_999_812,  # sd2-base-256
+    ("sd2-base", 512): 941_111_556,  # sd2-base-512
+    ("tiny", 64): 747_044,  # sd2-base-256 model.preset=tiny data.resolution=64
+}
+MEASURED_AS = "bf16 autocast, SDPA, low_precision_norms, eager, no gradient checkpointing"
+REMEASURE = "python -m train.bench.anatomy.memory"
+UNUSED_SHARE = 0.5  # a batch using less than this share of the GPU's memory leaves most of it unused
+
+
+def largest_divisor(n: int, at_most: int) -> int:
+    """The largest divisor of n that is <= at_most (0 if none): a microbatch must divide the rank's batch."""
+    return max((d for d in range(1, min(n, at_most) + 1) if n % d == 0), default=0)
+
+
+@dataclass(frozen=True)
+class MemoryCheck:
+    """The recipe's microbatch against one GPU type's memory (module doc)."""
+
+    gpu_type: str
+    memory_gb: float
+    preset: str
+    resolution: int
+    microbatch: int  # device_microbatch_size
+    world_size: int
+    strategy: Strategy
+    global_batch: int | None  # global_batch_size, when known
+    fit: BatchFit
+
+    @property
+    def used_gb(self) -> float:
+        """Resident state + the microbatch's activations (before the allocator's share)."""
+        return self.fit.resident_gb + self.microbatch * self.fit.activation_gb_per_image
+
+    @property
+    def fits(self) -> bool:
+        return self.microbatch <= self.fit.max_images
+
+    @property
+    def mostly_unused(self) -> bool:
+        return self.fits and self.used_gb < UNUSED_SHARE * self.memory_gb
+
+    @property
+    def per_rank_batch(self) -> int | None:
+        if self.global_batch is None or self.global_batch % self.world_size:
+            return None
+        return self.global_batch // self.world_size
+
+    def advice(self) -> str:
+        """What to change, or "fits" when the microbatch fits and nothing larger helps."""
+        most, power, per_rank = self.fit.max_images, self.fit.power_of_two, self.per_rank_batch
+        if not self.fits:
+            if most == 0:
+                return (
+                    "does NOT fit, not even 1 image: fsdp_sharding_strategy=FULL_SHARD or "
+                    "model.gradient_checkpointing=true"
+                )
+            smaller = largest_divisor(per_rank, most) if per_rank else power
+            return f"does NOT fit: set device_microbatch_size={smaller} (accumulation keeps the global batch)"
+        bigger = largest_divisor(per_rank, most) if per_rank else 0
+        if not self.mostly_unused or (per_rank and bigger <= self.microbatch < per_rank):
+            return "fits"  # uses most of it, or no larger microbatch divides the rank's batch
+        if bigger > self.microbatch:
+            more = "; more per GPU needs a larger global_batch_size or fewer GPUs" if power > bigger else ""
+            return (
+                f"most of it unused: set device_microbatch_size={bigger} (fewer accumulation steps, same "
+                f"global batch){more}"
+            )
+        if power <= self.microbatch:
+            return "fits"
+        fewer = ""
+        if (
+            self.global_batch
+            and self.global_batch % power == 0
+            and self.global_batch // power < self.world_size
+        ):
+            fewer = f", or this global batch on {self.global_batch // power} GPUs"
+        return (
+            f"most of it unused: set device_microbatch_size={power} with global_batch_size="
+            f"{power * self.world_size} (fewer, larger steps){fewer}"
+        )
+
+    def line(self) -> str:
+        """One line for `make estimate` and the train dry run."""
+        fit, ranks = self.fit, f"{self.world_size} rank{'s' if self.world_size > 1 else ''}"
+        return (
+            f"{self.resolution} px on {self.gpu_type}: {self.microbatch} per GPU uses {self.used_gb:.1f} GB "
+            f"of {self.memory_gb:g} GB ({fit.resident_gb:.1f} GB resident, {self.strategy} on "
+            f"{ranks}, + {fit.activation_gb_per_image:.3f} GB activations per image); "
+            f"up to {fit.max_images} fit ({fit.power_of_two} as a power of two); {self.advice()}"
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        out = dict(self.__dict__, fit=self.fit.to_json())
+        out.update(used_gb=self.used_gb, fits=self.fits, mostly_unused=self.mostly_unused, line=self.line())
+        return out
+
+
+def memory_check(
+    gpu_type: str,
+    preset: str,
+    resolution: int,
+    microbatch: int,
+    world_size: int = 1,
+    strategy: Strategy = "DDP",
+    global_batch: int | None = None,
+) -> MemoryCheck | str:
+    """The check for a GPU_TABLE type, or why there is none (no measurement for this preset and size)."""
+    per_image = ACTIVATION_BYTES_PER_IMAGE.get((preset, resolution))
+    params, memory_gb = PRESET_PARAMS.get(preset), GPU_TABLE[gpu_type].memory_gb
+    if not per_image or params is None or not memory_gb:
+        return (
+            f"no measured activation bytes for {preset} at {resolution} px on {gpu_type} "
+            f"(`{REMEASURE}` measures the shipped recipes; shared/estimate/memory.py keeps them)"
+        )
+    fit = batch_that_fits(memory_gb, per_image, params, world_size, strategy)
+    return MemoryCheck(
+        gpu_type, memory_gb, preset, resolution, microbatch, world_size, strategy, global_batch, fit
+    )

@@ -20,6 +20,7 @@ from shared.estimate.gpus import (
     EstimateError,
 )
 from shared.estimate.inputs import Measured, resolve_inputs
+from shared.estimate.memory import MemoryCheck, memory_check
 from shared.estimate.text_store import TextStoreComparison, compare_text_stores, manifest_store
 
 # ------------------------------------------------------------------------------------------- estimate
@@ -81,6 +82,7 @@ class Estimate:
     storage: StorageEstimate
     notes: tuple[str, ...] = ()
     text_store: TextStoreComparison | None = None  # embeddings vs tokens (shared/estimate/text_store.py)
+    memory: tuple[MemoryCheck | str, ...] = ()  # per phase: the recipe's batch vs gpu_type's memory
 
     @property
     def train_days(self) -> float:
@@ -123,6 +125,7 @@ class Estimate:
         )
         if self.text_store is not None:
             out["text_store"] = self.text_store.to_json()
+        out["memory"] = [m if isinstance(m, str) else m.to_json() for m in self.memory]
         return out
 
 
@@ -215,6 +218,17 @@ def _estimate_from(cfg: EstimateConfig, measured: Measured) -> Estimate:
         storage=stored,
         notes=measured.notes,
         text_store=_text_store(cfg, stored, phases),
+        memory=_memory_checks(cfg),
+    )
+
+
+def _memory_checks(cfg: EstimateConfig) -> tuple[MemoryCheck | str, ...]:
+    """Each schedule resolution with a recipe microbatch (memory.microbatch), once, in schedule order."""
+    mem, resolutions = cfg.memory, dict.fromkeys(p.resolution for p in cfg.schedule)
+    return tuple(
+        memory_check(cfg.gpu.type, mem.preset, res, micro, cfg.gpus, mem.strategy, mem.global_batch)
+        for res in resolutions
+        if (micro := mem.microbatch.get(str(res)))
     )
 
 

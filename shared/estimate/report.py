@@ -72,7 +72,12 @@ def render_table(est: Estimate) -> str:
         f"{est.pricing_mode.replace('_', '-')} ${est.price_per_gpu_hour:.3f}/GPU-hour"
     )
     notes = "".join(f"\nnote: {n}" for n in est.notes)
-    return f"{head}\n{_align(_table_rows(est))}{text_store_block(est)}{notes}"
+    return f"{head}\n{_align(_table_rows(est))}{text_store_block(est)}{memory_block(est)}{notes}"
+
+
+def memory_block(est: Estimate) -> str:
+    """One line per schedule resolution: the recipe's batch per GPU against the GPU's memory."""
+    return "".join(f"\nmemory: {m if isinstance(m, str) else m.line()}" for m in est.memory)
 
 
 def text_store_block(est: Estimate) -> str:
@@ -116,6 +121,8 @@ def render_markdown(est: Estimate, sweep: Sequence[Estimate]) -> str:
     notes = "".join(f"\n- {n}" for n in est.notes)
     if est.text_store is not None:
         notes += f"\n\n## Text storage\n\n```{text_store_block(est)}\n```"
+    if est.memory:
+        notes += f"\n\n## Batch per GPU\n\n```{memory_block(est)}\n```"
     price = f"{est.pricing_mode} ${est.price_per_gpu_hour:.3f}/GPU-hour"
     title = f"# Training estimate: {est.gpus} x {est.gpu_type}, {price}"
     return f"{title}\n\n" + "\n".join(plan) + "\n\n## By GPU count\n\n" + "\n".join(sweep_md) + f"\n{notes}\n"

@@ -68,7 +68,9 @@ SbatchOpt = Annotated[
         "--sbatch-option", help="slurm: extra #SBATCH option, e.g. qos=high or requeue (repeatable)"
     ),
 ]
-GpuTypeOpt = Annotated[str, typer.Option("--gpu-type", help="GPU type for the cost estimate line")]
+GpuTypeOpt = Annotated[
+    str, typer.Option("--gpu-type", help="GPU type for the cost estimate and memory lines")
+]
 OverridesArg = Annotated[list[str] | None, typer.Argument(help="key=value overrides for the job's config")]
 
 

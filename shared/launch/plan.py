@@ -179,8 +179,7 @@ def kube_context() -> str | None:
         )  # fmt: skip
     except (OSError, subprocess.TimeoutExpired):
         return None
-    context = done.stdout.strip() if done.returncode == 0 else ""
-    return context or None
+    return (done.stdout.strip() if done.returncode == 0 else "") or None
 
 
 @dataclass(frozen=True)
@@ -233,6 +232,7 @@ class LaunchPlan:
     program: tuple[str, ...]  # python -m <program...>: what every rank runs
     steps: list[Step] = field(default_factory=list)
     batching: Batching | None = None  # train only
+    memory: str | None = None  # train only: the microbatch against the GPU type's memory (shared/estimate)
     finalize: str | None = None  # encode only: how the index merge runs once all ranks are done
     estimate: str | None = None  # train only: time/cost of the run being launched (shared/estimate)
     reference: list[str] = field(default_factory=list)  # train: another recipe's numbers, not this run's

@@ -28,6 +28,8 @@ def summarize(plan: LaunchPlan) -> str:
     rows = [("launcher", launcher), ("layout", _layout(plan))]
     if plan.batching:
         rows.append(("batch", _batch_line(plan.batching)))
+    if plan.memory:
+        rows.append(("memory", plan.memory))
     if plan.resources:
         rows.append(("per rank", _resources_line(plan)))
     rows += [("cluster", line) for line in plan.cluster]

@@ -1,0 +1,76 @@
+"""The train dry run's memory row (issue 30): device_microbatch_size against the planned GPU type's memory,
+from the activations shared/estimate/memory.py keeps, and that table against a fresh measurement."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from shared.config import load_config
+from shared.estimate.config import MemoryConfig
+from shared.estimate.memory import ACTIVATION_BYTES_PER_IMAGE, MEASURED_RECIPES
+from shared.launch.plan import LaunchOptions
+from shared.launch.report import summarize
+from train.bench.anatomy.memory import measure_recipe
+from train.config import TrainConfig
+from train.launch import plan_train
+
+
+def test_table_matches_a_fresh_measurement_of_the_tiny_preset() -> None:
+    """The cheap entry re-measured as `python -m train.bench.anatomy.memory` does (the SD2 ones are too big
+    for a test): a torch or model change that moves what autograd saves shows here."""
+    config, overrides = next(entry for entry in MEASURED_RECIPES if "model.preset=tiny" in entry[1])
+    preset, resolution, per_image = measure_recipe(config, overrides)
+    assert ACTIVATION_BYTES_PER_IMAGE[(preset, resolution)] == per_image, (
+        f"re-measure the table: python -m train.bench.anatomy.memory (got {per_image:_.0f})"
+    )
+
+
+@pytest.mark.parametrize("recipe", ["sd2-base-256", "sd2-base-512"])
+def test_the_estimates_memory_section_is_the_train_recipes(recipe: str) -> None:
+    cfg, memory = load_config(TrainConfig, recipe, kind="train"), MemoryConfig()
+    assert memory.microbatch[str(cfg.data.resolution)] == cfg.device_microbatch_size
+    assert memory.global_batch == cfg.global_batch_size and memory.preset == cfg.model.preset
+    assert memory.strategy == (cfg.fsdp_sharding_strategy if cfg.fsdp else "DDP")
+    assert (recipe, ()) in MEASURED_RECIPES and (
+        cfg.model.preset,
+        cfg.data.resolution,
+    ) in ACTIVATION_BYTES_PER_IMAGE
+
+
+def _rows(plan_text: str, key: str) -> list[str]:
+    return [line.split(key, 1)[1].strip() for line in plan_text.splitlines() if line.strip().startswith(key)]
+
+
+def test_dry_run_prints_the_memory_check_for_its_gpu_type(tmp_path: Path) -> None:
+    plan = plan_train(
+        "sd2-base-256", [f"save_folder={tmp_path}"], LaunchOptions(256, "slurm"), gpu_type="H200"
+    )
+    out = summarize(plan)
+    (memory,) = _rows(out, "memory")
+    assert memory.startswith("256 px on H200: 8 per GPU uses 3.7 GB of 141 GB")
+    assert "up to 487 fit (256 as a power of two)" in memory
+    assert "set device_microbatch_size=256 with global_batch_size=65536 (fewer, larger steps)" in memory
+    assert not any("WARNING" in note for note in plan.notes)
+    assert out.index("  batch ") < out.index("  memory ")  # next to the batch split
+
+
+def test_dry_run_warns_when_the_microbatch_does_not_fit(tmp_path: Path) -> None:
+    overrides = [f"save_folder={tmp_path}", "device_microbatch_size=64", "fsdp=false"]
+    plan = plan_train("sd2-base-512", overrides, LaunchOptions(1, "local"), gpu_type="A100-40GB")
+    assert not plan.refusals  # a warning, not a refusal
+    (warning,) = [note for note in plan.notes if note.startswith("WARNING")]
+    assert warning == (
+        "WARNING: device_microbatch_size=64 on A100-40GB (77.5 GB of 40 GB, at most 17 per GPU) does NOT "
+        "fit: set device_microbatch_size=16 (accumulation keeps the global batch)"
+    )
+    assert "does NOT fit" in plan.memory
+
+
+def test_dry_run_names_switches_the_table_was_not_measured_with(tmp_path: Path) -> None:
+    overrides = [f"save_folder={tmp_path}", "model.gradient_checkpointing=true"]
+    plan = plan_train("sd2-base-256", overrides, LaunchOptions(8, "slurm"), gpu_type="H100")
+    assert plan.memory.endswith("this run has model.gradient_checkpointing=true)")
+    unmeasured = plan_train("tiny", [f"save_folder={tmp_path}", "data.resolution=128"], LaunchOptions(1))
+    assert unmeasured.memory.startswith("no measured activation bytes for tiny at 128 px on A100-40GB")
