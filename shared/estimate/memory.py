@@ -157,16 +157,18 @@ class MemoryCheck:
             )
         if power <= self.microbatch:
             return "fits"
+        # The global batch is a hyperparameter: the same on fewer GPUs, or what a larger one costs.
         fewer = ""
         if (
             self.global_batch
             and self.global_batch % power == 0
             and self.global_batch // power < self.world_size
         ):
-            fewer = f", or this global batch on {self.global_batch // power} GPUs"
+            fewer = f"this global batch on {self.global_batch // power} GPUs, or "
         return (
-            f"most of it unused: set device_microbatch_size={power} with global_batch_size="
-            f"{power * self.world_size} (fewer, larger steps){fewer}"
+            f"most of it unused: up to {power} per GPU fit; {fewer}global_batch_size="
+            f"{power * self.world_size} with device_microbatch_size={power} "
+            "(a new recipe: retune the learning rate)"
         )
 
     def line(self) -> str:

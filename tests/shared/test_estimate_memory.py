@@ -61,8 +61,8 @@ def test_estimate_prints_the_recipes_batch_next_to_what_fits() -> None:
     assert len(lines) == 2 and lines[0].startswith("memory: 256 px on H100: 8 per GPU uses 3.7 GB of 80 GB")
     assert "up to 273 fit (256 as a power of two)" in lines[0]
     assert lines[0].endswith(
-        "most of it unused: set device_microbatch_size=256 with global_batch_size=65536 (fewer, larger "
-        "steps), or this global batch on 8 GPUs"
+        "most of it unused: up to 256 per GPU fit; this global batch on 8 GPUs, or global_batch_size=65536 "
+        "with device_microbatch_size=256 (a new recipe: retune the learning rate)"
     )
     assert lines[1].startswith("memory: 512 px on H100: 8 per GPU uses 9.3 GB of 80 GB")
     assert "## Batch per GPU" in render_markdown(est, [est])

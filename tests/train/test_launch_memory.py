@@ -51,7 +51,10 @@ def test_dry_run_prints_the_memory_check_for_its_gpu_type(tmp_path: Path) -> Non
     (memory,) = _rows(out, "memory")
     assert memory.startswith("256 px on H200: 8 per GPU uses 3.7 GB of 141 GB")
     assert "up to 487 fit (256 as a power of two)" in memory
-    assert "set device_microbatch_size=256 with global_batch_size=65536 (fewer, larger steps)" in memory
+    assert (
+        "global_batch_size=65536 with device_microbatch_size=256 (a new recipe: retune the learning rate)"
+        in memory
+    )
     assert not any("WARNING" in note for note in plan.notes)
     assert out.index("  batch ") < out.index("  memory ")  # next to the batch split
 
