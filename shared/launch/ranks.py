@@ -134,6 +134,24 @@ def mapped_shm(pids: Iterable[int]) -> set[str]:
     return found
 
 
+def orphan_semaphores(since: float, in_use: set[str]) -> set[str]:
+    """Python's named semaphores (`sem.mp-*`) in /dev/shm that this user created at or after `since` and no
+    process maps: their creator is dead, so nothing can open them again. The poll-time sample of what the
+    ranks map (`mapped_shm`) misses a generation killed within one poll of creating them (the two-node test
+    once left one on node 0); this sweep does not depend on the timing. Another user's files are never
+    taken (/dev/shm is sticky), nor files older than the run."""
+    found = set()
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(SHM):
+            if not entry.name.startswith("sem.mp-") or entry.path in in_use:
+                continue
+            with contextlib.suppress(OSError):
+                info = entry.stat(follow_symlinks=False)
+                if info.st_uid == os.getuid() and info.st_ctime >= since:
+                    found.add(entry.path)
+    return found
+
+
 def forget_shm(paths: Iterable[str]) -> int:
     """Unlink the files (a process of the run mapped them; none is left to use them); how many were there."""
     removed = 0

@@ -43,6 +43,7 @@ from shared.launch.ranks import (
     kill_all,
     kill_ranks_first,
     mapped_shm,
+    orphan_semaphores,
     stack_of,
     stopped,
 )
@@ -118,6 +119,7 @@ class Supervisor:
         self.stop_reason: str | None = None
         self.proc: subprocess.Popen[bytes] | None = None
         self.shm: set[str] = set()  # /dev/shm files the run's processes mapped (ranks.mapped_shm)
+        self.started = time.time()  # semaphores no process maps, created since then, are the run's orphans
 
     # ------------------------------------------------------------------------------------------ signals
     def on_signal(self, signum: int, frame: object) -> None:
@@ -149,7 +151,7 @@ class Supervisor:
     def forget_shm(self) -> None:
         """Unlink what the run's processes mapped in /dev/shm and no live process maps any more."""
         in_use = mapped_shm(int(entry.name) for entry in Path("/proc").iterdir() if entry.name.isdigit())
-        removed = forget_shm(self.shm - in_use)
+        removed = forget_shm((self.shm - in_use) | orphan_semaphores(self.started, in_use))
         if removed:
             self.log(f"removed {removed} file(s) the ranks left in /dev/shm (killed before they could)")
 

@@ -98,6 +98,29 @@ def test_sigterm_asks_the_ranks_to_stop_and_exits_resumable(tmp_path: Path) -> N
     assert any("SIGTERM" in line for line in lines)
 
 
+def test_semaphores_of_a_rank_killed_with_its_resource_tracker_are_removed_when_the_run_ends(
+    tmp_path: Path,
+) -> None:
+    """A rank killed with its process group (as torchrun's agent stops one) takes Python's resource tracker
+    along, so its named semaphores stay in /dev/shm; the supervisor removes them when the run ends, even if
+    no poll saw them mapped (the rank is gone before the first poll). One a live process holds stays."""
+    import multiprocessing
+
+    rank = (
+        "import multiprocessing as mp, os, signal; lock = mp.get_context('spawn').Lock(); "
+        "print(lock._semlock.name, flush=True); os.killpg(0, signal.SIGKILL)"
+    )
+    body = f'setsid "{sys.executable}" -c "{rank}" > "$T/sem-name"; exit 0\n'
+    held = multiprocessing.get_context("spawn").Lock()  # this process maps it until the test ends
+    held_path = Path(f"/dev/shm/sem.{held._semlock.name.lstrip('/')}")  # type: ignore[attr-defined]
+    code, lines = run(tmp_path, body, poll_s=2)
+    name = (tmp_path / "sem-name").read_text().strip().lstrip("/")
+    assert code == control.EXIT_DONE and name.startswith("mp-")
+    assert not Path(f"/dev/shm/sem.{name}").exists(), lines
+    assert any("removed 1 file(s)" in line for line in lines), lines
+    assert held_path.exists()
+
+
 def test_descendants_finds_grandchildren_in_new_sessions() -> None:
     code = (
         "import subprocess, time; subprocess.Popen(['sleep', '30'], start_new_session=True); time.sleep(30)"

@@ -195,16 +195,14 @@ def saved_batch(save: str) -> int:
     return int(latest.split("-ba")[1].split("-")[0])
 
 
-def assert_nothing_left(node: Node, semaphores_may_stay: bool = False) -> None:
-    """The node's temp folder holds only what the run keeps; its /dev/shm held nothing when it exited.
-    `semaphores_may_stay`: after ranks were killed, a multiprocessing semaphore (`sem.mp-*`) of a killed
-    rank's worker was once left on node 0 in a full CI run (a race the supervisor's sweep missed; open)."""
+def assert_nothing_left(node: Node) -> None:
+    """The node's temp folder holds only what the run keeps; its /dev/shm held nothing when it exited (a
+    killed generation's `sem.mp-*` semaphores included: shared/launch/ranks.py orphan_semaphores)."""
     left = sorted(p.name for p in (node.folder / "tmp").iterdir() if not p.name.startswith(RUN_KEEPS))
     assert left == [], f"{node.folder.name} left in its temp folder: {left}"
     shm = node.folder / "shm-left"
     assert shm.exists(), f"{node.folder.name}: its wrapper never listed /dev/shm"
-    in_shm = [n for n in shm.read_text().split() if not (semaphores_may_stay and n.startswith("sem.mp-"))]
-    assert in_shm == [], f"{node.folder.name} left in /dev/shm: {shm.read_text()}"
+    assert shm.read_text().split() == [], f"{node.folder.name} left in /dev/shm: {shm.read_text()}"
 
 
 @pytest.fixture(scope="module")
@@ -274,7 +272,7 @@ def run_failures(job: Job) -> None:
     assert len(restarts) >= 3, restarts  # the crash, the hang, the lost node (a rendezvous may retry)
     assert took < COLLECTIVE_TIMEOUT_S
     for node in (node0, replacement):
-        assert_nothing_left(node, semaphores_may_stay=True)
+        assert_nothing_left(node)
 
 
 def test_sigterm_to_node_0s_launcher_saves_one_step_on_every_node_and_the_rerun_matches(
