@@ -161,7 +161,8 @@ def sample_members(key: str, image: bytes, caption: bytes, meta: bytes, ext: str
     return sorted([(f"{key}.{ext}", image), (f"{key}.json", meta), (f"{key}.txt", caption)])
 
 
-def _write_tar(path: Path, members: Iterable[tuple[str, bytes]]) -> None:
+def write_tar(path: Path, members: Iterable[tuple[str, bytes]]) -> None:
+    """An img2dataset-style tar of `members` (name, bytes), written at once."""
     buffer = io.BytesIO()
     with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as tar:
         for name, data in members:
@@ -205,7 +206,7 @@ def build_webdataset(
                 key = row.meta["key"]
                 members += sample_members(key, row.image, row.meta["caption"].encode(), json_bytes(row.meta))
         tar_path = out_dir / f"{shard:05d}.tar"
-        _write_tar(tar_path, members)
+        write_tar(tar_path, members)
         _write_parquet(out_dir / f"{shard:05d}.parquet", [row.meta for row in rows], PARQUET_ROW_GROUP)
         (out_dir / f"{shard:05d}_stats.json").write_bytes(json_bytes(_stats(shard, [r.meta for r in rows])))
         paths.append(tar_path)

@@ -29,18 +29,31 @@ RANK_EXIT_GRACE_S = 5.0  # a killed rank's resource tracker and loader workers n
 SHM = "/dev/shm/"
 
 
+def _stat(pid: int) -> list[str] | None:
+    """/proc/<pid>/stat after the command name (state, ppid, ...); None once the process is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def _parent_of(pid: int) -> int | None:
+    stat = _stat(pid)
+    return None if stat is None else int(stat[1])
+
+
+def all_pids() -> list[int]:
+    return [int(entry.name) for entry in Path("/proc").iterdir() if entry.name.isdigit()]
+
+
 def descendants(pid: int) -> list[int]:
     """Every process below `pid`, from /proc (torchrun starts its ranks in sessions of their own, so a
     process-group kill misses them)."""
     children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(entry.name))
+    for each in all_pids():
+        parent = _parent_of(each)
+        if parent is not None:
+            children.setdefault(parent, []).append(each)
     found, todo = [], [pid]
     while todo:
         for child in children.get(todo.pop(), []):
@@ -78,19 +91,14 @@ def stack_of(pid: int) -> str:
 
 def alive(pid: int) -> bool:
     """A process that still runs (or is stopped); a zombie waiting for its parent counts as gone."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    stat = _stat(pid)
+    return stat is not None and stat[0] not in ("Z", "X")
 
 
 def stopped(pid: int) -> bool:
     """Stopped by a signal (SIGSTOP, SIGTSTP) or a tracer: it cannot answer anything until SIGCONT."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("T", "t")
-    except OSError:
-        return False
+    stat = _stat(pid)
+    return stat is not None and stat[0] in ("T", "t")
 
 
 def kill_ranks_first(parent: int, grace_s: float = RANK_EXIT_GRACE_S) -> None:
@@ -105,13 +113,6 @@ def kill_ranks_first(parent: int, grace_s: float = RANK_EXIT_GRACE_S) -> None:
     while time.monotonic() < deadline and any(alive(pid) for pid in tree if pid not in ranks):
         time.sleep(0.1)
     kill_all(tree)
-
-
-def _parent_of(pid: int) -> int | None:
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-    except (OSError, IndexError, ValueError):
-        return None
 
 
 def kill_all(pids: Sequence[int]) -> None:

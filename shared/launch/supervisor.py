@@ -38,6 +38,7 @@ from shared.launch import control
 from shared.launch.ranks import (
     Generations,
     alive,
+    all_pids,
     descendants,
     forget_shm,
     kill_all,
@@ -150,7 +151,7 @@ class Supervisor:
 
     def forget_shm(self) -> None:
         """Unlink what the run's processes mapped in /dev/shm and no live process maps any more."""
-        in_use = mapped_shm(int(entry.name) for entry in Path("/proc").iterdir() if entry.name.isdigit())
+        in_use = mapped_shm(all_pids())
         removed = forget_shm((self.shm - in_use) | orphan_semaphores(self.started, in_use))
         if removed:
             self.log(f"removed {removed} file(s) the ranks left in /dev/shm (killed before they could)")

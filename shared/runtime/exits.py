@@ -14,7 +14,8 @@ runner sees the same exit codes as a shell.
 raises ChildFailedError for any rank that exits non-zero, and Python prints its traceback and a report box,
 also when the ranks exited 75 after a clean save or 2 after explaining an error in one line. The supervisor
 says what an exit means; here a rank that exited with such a code adds nothing, any other exit one line
-(`torchrun: rank 1 exited -9`).
+(`torchrun: rank 1 exited -9`), and a rendezvous whose store is unreachable or gone (the node hosting it
+lost) one line too.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from typing import Any
 import typer
 
 from shared.launch.control import EXIT_FATAL, EXIT_RESUMABLE
+from shared.runtime.environ import restored_environ
 
 DEBUG_ENV = "SD_DEBUG"
 DEBUG_FLAG = "--debug"
@@ -117,6 +119,7 @@ SELF_EXPLAINED = (EXIT_RESUMABLE, EXIT_FATAL)  # exit codes whose rank printed w
 ELASTIC_API_LOGGER = "torch.distributed.elastic.multiprocessing.api"
 TORCHRUN_FAILED = 1  # torchrun's own exit code when a rank failed
 TORCHELASTIC_TEMP_PREFIX = "torchelastic_"
+CPP_LOG_ENV = "TORCH_CPP_LOG_LEVEL"
 
 
 def torchrun_argv(argv: list[str]) -> list[str]:
@@ -130,13 +133,19 @@ def run_torchrun() -> None:
     """torchrun's main without the traceback box for ranks that stopped on purpose (module doc)."""
     import logging
 
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import main as torchrun_main
+    # The agent's own C++ log (c10d's store client: every connect retry with its C++ stack) stays quiet
+    # unless debugging; it is read once, when torch loads, so the ranks torchrun starts keep the caller's.
+    with restored_environ((CPP_LOG_ENV,)):
+        if not debug_enabled():
+            os.environ.setdefault(CPP_LOG_ENV, "FATAL")
+        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+        from torch.distributed.elastic.rendezvous.api import RendezvousError
+        from torch.distributed.run import main as torchrun_main
 
     if not debug_enabled():
         logging.getLogger(ELASTIC_API_LOGGER).setLevel(logging.CRITICAL)
     with _removing_new_temp_dirs(TORCHELASTIC_TEMP_PREFIX):
-        _torchrun_quietly(torchrun_main, ChildFailedError)
+        _torchrun_quietly(torchrun_main, ChildFailedError, RendezvousError)
 
 
 @contextlib.contextmanager
@@ -151,9 +160,17 @@ def _removing_new_temp_dirs(prefix: str) -> Iterator[None]:
             shutil.rmtree(folder, ignore_errors=True)
 
 
-def _torchrun_quietly(torchrun_main: Callable[[], Any], failed: type[Exception]) -> None:
+def _torchrun_quietly(
+    torchrun_main: Callable[[], Any], failed: type[Exception], rendezvous: type[Exception]
+) -> None:
     try:
         torchrun_main()
+    except rendezvous as err:  # the store unreachable or gone: a node lost (node 0 hosts it), not a bug here
+        if debug_enabled():
+            raise
+        cause = f" ({err.__cause__})" if err.__cause__ else ""
+        print(f"torchrun: the rendezvous failed: {err}{cause}", file=sys.stderr, flush=True)
+        sys.exit(TORCHRUN_FAILED)
     except failed as err:
         if debug_enabled():
             raise

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from shared import storage
+from shared.runtime.environ import restored_environ
 
 S3_BUCKET = "sd-pretrain-test"
 S3_ACCESS_KEY = "sd-pretrain-test-key"
@@ -304,17 +305,12 @@ def pointed_at(server: S3Server, workdir: Path) -> Iterator[None]:
         "AWS_CONFIG_FILE": str(empty_config),
         "AWS_SHARED_CREDENTIALS_FILE": str(empty_config),
     }
-    saved = {name: os.environ.get(name) for name in (*settings, *AWS_VARS_TO_CLEAR)}
     try:
-        for name in AWS_VARS_TO_CLEAR:
-            os.environ.pop(name, None)
-        os.environ.update(settings)
-        storage._client.cache_clear()  # clients are cached per endpoint: build one with these settings
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
+        with restored_environ((*settings, *AWS_VARS_TO_CLEAR)):
+            for name in AWS_VARS_TO_CLEAR:
                 os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+            os.environ.update(settings)
+            storage._client.cache_clear()  # clients are cached per endpoint: build one with these settings
+            yield
+    finally:
         storage._client.cache_clear()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 
@@ -113,3 +114,22 @@ def test_the_supervisor_runs_torchrun_without_its_traceback_box() -> None:
         "fit",
     ]
     assert torchrun_argv(["bash", "-c", "x"]) == ["bash", "-c", "x"]
+
+
+def test_a_rendezvous_whose_store_is_unreachable_ends_torchrun_in_one_line() -> None:
+    """A node whose rendezvous store is gone (node 0, which hosts it, lost) or never came: torchrun's agent
+    raises RendezvousConnectionError; through the wrapper that is one line and exit 1, no traceback."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # closed again below: nothing listens there
+    argv = [
+        sys.executable, "-m", "shared.runtime.exits", "--nnodes=2", "--nproc-per-node=1",
+        "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+        "--rdzv-conf=is_host=false,read_timeout=2", "-m", "train", "fit",
+    ]  # fmt: skip
+    env = {**os.environ, DEBUG_ENV: "0"}
+    run = subprocess.run(argv, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1, run.stderr
+    # One line: no Python traceback, and none of the agent's C++ connect retries with their C++ stacks.
+    [line] = run.stderr.strip().splitlines()
+    assert line.startswith("torchrun: the rendezvous failed: ") and "timed out" in line, run.stderr

@@ -21,6 +21,7 @@ from shared.config import ConfigError, config_to_dict, load_config
 from shared.estimate import GPU_TABLE, gpu_type_for_device
 from shared.presets import get_preset
 from shared.runtime.device import DeviceSetup, resolve_device_setup
+from shared.runtime.environ import restored_environ
 from train.bench.anatomy.buckets import bench_buckets
 from train.bench.anatomy.section import bench_anatomy, bench_variants
 from train.bench.config import BenchConfig
@@ -292,13 +293,6 @@ def _compile_cache_in(folder: Path) -> Iterator[None]:
     if os.environ.get(INDUCTOR_CACHE_ENV):
         yield
         return
-    saved = {name: os.environ.get(name) for name in (INDUCTOR_CACHE_ENV, TRITON_CACHE_ENV)}
-    use_compile_cache(str(folder))
-    try:
+    with restored_environ((INDUCTOR_CACHE_ENV, TRITON_CACHE_ENV)):
+        use_compile_cache(str(folder))
         yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value

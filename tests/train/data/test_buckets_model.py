@@ -16,8 +16,6 @@ the picture's background latent there (0: the circle comes back exactly; 1: as i
 
 from __future__ import annotations
 
-import io
-import tarfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,16 +27,16 @@ from PIL import Image, ImageDraw
 
 from encode.config import EncodeConfig
 from encode.pipeline import RankInfo, run_rank
-from encode.plan.reuse import iter_mds_rows
 from encode.process.encoders import load_encoders
 from encode.process.images import resize_center_crop, resize_cover
 from encode.publish.finalize import publish
 from encode.sample_data import COLORS, encode_image
-from encode.sample_data.layouts import json_bytes, sample_members
-from shared import contract, storage
+from encode.sample_data.layouts import json_bytes, sample_members, write_tar
+from shared import contract
 from shared.buckets import bucket_name
 from shared.config import load_config
-from shared.manifest import Layout, read_manifest
+from shared.manifest import read_manifest
+from tests.encode.test_buckets import bucket_rows
 from tests.train.conftest import tiny_config
 
 RES = 64
@@ -98,11 +96,7 @@ def build_edge_webdataset(out: Path) -> dict[str, np.ndarray]:
         meta = json_bytes({"key": key, "caption": caption, "width": PICTURE[0], "height": PICTURE[1]})
         members += sample_members(key, encode_image(img, "PNG"), caption.encode(), meta, "png")
     out.mkdir(parents=True)
-    with tarfile.open(out / "00000.tar", "w", format=tarfile.PAX_FORMAT) as tar:
-        for name, data in members:
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
+    write_tar(out / "00000.tar", members)
     return cells
 
 
@@ -134,16 +128,6 @@ def encode_both_ways(tmp: Path) -> EdgeData:
     assert bucketed.buckets is not None and bucketed.buckets[bucket_name(BUCKET)]["num_samples"] == PICTURES
     assert cropped.buckets is None and cropped.num_samples == PICTURES
     return data
-
-
-def bucket_rows(root: Path) -> list[dict[str, Any]]:
-    """Every stored row of the bucket, read from the partition folders (keys included)."""
-    layout = Layout(str(root))
-    folders = [
-        storage.join(layout.partition_output(RES, part["dirs"][str(RES)]), bucket_name(BUCKET))
-        for part in read_manifest(str(root)).partitions
-    ]
-    return [row for folder in folders for row in iter_mds_rows(folder)]
 
 
 # ------------------------------------------------------------------------------------------- training
@@ -227,7 +211,7 @@ def test_a_model_trained_on_buckets_keeps_the_shape_at_the_edge_that_centre_crop
     tmp_path: Path,
 ) -> None:
     data = encode_both_ways(tmp_path / "data")  # one torch thread: tests/train/conftest.py
-    rows = bucket_rows(data.bucketed)
+    rows = bucket_rows(data.bucketed, RES, bucket_name(BUCKET))
     bucketed = edge_errors(train(data.bucketed, tmp_path / "bucketed"), rows, data.cells)
     cropped = edge_errors(train(data.cropped, tmp_path / "cropped"), rows, data.cells)
     report = f"trained on buckets: {bucketed}; on centre crops: {cropped}"
