@@ -18,7 +18,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -121,30 +121,51 @@ def kill_all(pids: Sequence[int]) -> None:
             os.kill(pid, signal.SIGKILL)  # SIGKILL also ends a SIGSTOPped process
 
 
-def mapped_shm(pids: Iterable[int]) -> set[str]:
-    """The /dev/shm files (Python's named semaphores `sem.mp-*`, Streaming's shared memory) the processes
-    map: the supervisor unlinks those still there when it exits, since a rank SIGKILLed together with its
-    resource tracker (torchrun kills the rank's process group) never unlinks them."""
-    found = set()
+def _shm_mappings(pids: Iterable[int]) -> Iterator[tuple[int, str]]:
+    """(inode, path) of each /dev/shm file the processes map, from /proc/<pid>/maps."""
     for pid in pids:
         with contextlib.suppress(OSError):
             for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
                 parts = line.split(maxsplit=5)
                 if len(parts) == 6 and parts[5].startswith(SHM):
-                    found.add(parts[5].removesuffix(" (deleted)"))
-    return found
+                    yield int(parts[4]), parts[5].removesuffix(" (deleted)")
 
 
-def orphan_semaphores(since: float, in_use: set[str]) -> set[str]:
-    """Python's named semaphores (`sem.mp-*`) in /dev/shm that this user created at or after `since` and no
-    process maps: their creator is dead, so nothing can open them again. The poll-time sample of what the
-    ranks map (`mapped_shm`) misses a generation killed within one poll of creating them (the two-node test
-    once left one on node 0); this sweep does not depend on the timing. Another user's files are never
-    taken (/dev/shm is sticky), nor files older than the run."""
+def mapped_shm(pids: Iterable[int]) -> set[str]:
+    """The /dev/shm files (Python's named semaphores `sem.mp-*`, Streaming's shared memory) the processes
+    map: the supervisor unlinks those still there when it exits, since a rank SIGKILLed together with its
+    resource tracker (torchrun kills the rank's process group) never unlinks them."""
+    return {path for _, path in _shm_mappings(pids)}
+
+
+def unmapped_shm(paths: Iterable[str]) -> set[str]:
+    """Those of `paths` (listed before this call) that no process maps now. Compared by inode: glibc's
+    sem_open maps a temporary file and only then links it under the semaphore's name, so the creator's maps
+    show the temporary name, deleted (by name, every semaphore looked unmapped until a second process
+    opened it, and a live one of another job was taken)."""
+    inodes = {path: inode for path in paths if (inode := _inode(path)) is not None}
+    in_use = {inode for inode, _ in _shm_mappings(all_pids())}
+    return {path for path, inode in inodes.items() if inode not in in_use}
+
+
+def _inode(path: str) -> int | None:
+    try:
+        return os.stat(path, follow_symlinks=False).st_ino
+    except OSError:
+        return None
+
+
+def orphan_semaphores(since: float) -> set[str]:
+    """Python's named semaphores (`sem.mp-*`) in /dev/shm that this user created at or after `since`: the
+    ones no process maps (`unmapped_shm`, called after this scan) lost their creator, so nothing can open
+    them again. The poll-time sample of what the ranks map (`mapped_shm`) misses a
+    generation killed within one poll of creating them (the two-node test once left one on node 0); this
+    sweep does not depend on the timing. Another user's files are never taken (/dev/shm is sticky), nor
+    files older than the run."""
     found = set()
     with contextlib.suppress(OSError):
         for entry in os.scandir(SHM):
-            if not entry.name.startswith("sem.mp-") or entry.path in in_use:
+            if not entry.name.startswith("sem.mp-"):
                 continue
             with contextlib.suppress(OSError):
                 info = entry.stat(follow_symlinks=False)

@@ -38,7 +38,6 @@ from shared.launch import control
 from shared.launch.ranks import (
     Generations,
     alive,
-    all_pids,
     descendants,
     forget_shm,
     kill_all,
@@ -47,6 +46,7 @@ from shared.launch.ranks import (
     orphan_semaphores,
     stack_of,
     stopped,
+    unmapped_shm,
 )
 from shared.runtime.exits import torchrun_argv
 from shared.storage.safety import NODE_TMPDIR_ENV
@@ -151,8 +151,11 @@ class Supervisor:
 
     def forget_shm(self) -> None:
         """Unlink what the run's processes mapped in /dev/shm and no live process maps any more."""
-        in_use = mapped_shm(all_pids())
-        removed = forget_shm((self.shm - in_use) | orphan_semaphores(self.started, in_use))
+        # The candidates first, then what is mapped, by inode (ranks.unmapped_shm): a semaphore another job
+        # of this user creates during the run or the sweep stays. Before, its creator's mapping went
+        # unrecognised and it was unlinked under a live job (whose workers open it by name), as seen when
+        # two test workers ran side by side.
+        removed = forget_shm(unmapped_shm(self.shm | orphan_semaphores(self.started)))
         if removed:
             self.log(f"removed {removed} file(s) the ranks left in /dev/shm (killed before they could)")
 
