@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -14,7 +15,7 @@ from shared.presets import get_preset
 from shared.runtime.device import DeviceSetup
 from train.bench.anatomy.compiled import compile_anatomy
 from train.bench.anatomy.memory import activation_bytes_per_image, batch_per_gpu
-from train.bench.anatomy.ops import FullStep, dispatch_tally, profile_steps
+from train.bench.anatomy.ops import FullStep, cpu_autocast_like_cuda, dispatch_tally, profile_steps
 from train.bench.config import BenchConfig
 from train.bench.step import FlopCounts, StepBench, mfu, synthetic_latent_batch, time_calls
 from train.config import TrainConfig
@@ -49,7 +50,11 @@ def memory_section(step: FullStep, recipe: TrainConfig, resolution: int, batch_s
     preset = get_preset(recipe.model.preset)
     small = synthetic_latent_batch(preset, resolution, 1, step.setup, seed)
     large = synthetic_latent_batch(preset, resolution, 1 + max(batch_size, 1), step.setup, seed)
-    per_image = activation_bytes_per_image(step.model, small, large, step.setup)
+    # On CPU under CUDA's bf16 autocast policy, as shared/estimate/memory.py's table was measured (memory.py
+    # measure_recipe); the train job never autocasts on CPU, so fp32 here would overstate a GPU's bytes.
+    region = cpu_autocast_like_cuda() if step.setup.device.type == "cpu" else nullcontext()
+    with region:
+        per_image = activation_bytes_per_image(step.model, small, large, step.setup)
     params = sum(p.numel() for p in step.model.unet.parameters())
     return {
         "activation_bytes_per_image": per_image,
