@@ -29,6 +29,11 @@ TORCH_NEXT_TESTS ?= tests/train/loop/test_fit.py tests/train/checkpoints/test_re
 	$(SHARDED_TESTS)::test_a_planted_metadata_pickle_is_refused_before_it_runs \
 	$(SHARDED_TESTS)::test_metadata_naming_a_shard_file_outside_the_folder_is_refused
 
+# make test / test-quick / test-torch-next run on TEST_WORKERS pytest-xdist processes (CI's 2 cores; a serial
+# run left a third of them idle in waits); TEST_WORKERS=1 runs the suite in one process.
+TEST_WORKERS ?= 2
+XDIST = $(if $(filter-out 0 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadgroup)
+
 DATASET ?= sample
 CONFIG ?= tiny
 ESTIMATE ?= sd2-base
@@ -92,11 +97,11 @@ endif
 demo: $(STAMP)  ## sample data -> encode -> train a tiny U-Net -> export; prints where everything went
 	$(BIN)/python -m train demo --out $(OUT)/demo $(ARGS)
 
-test: $(STAMP)  ## the full suite, as CI runs it
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+test: $(STAMP)  ## the full suite, as CI runs it [TEST_WORKERS=2]
+	$(BIN)/python -m pytest -q $(XDIST) $(PYTEST_ARGS)
 
 test-quick: $(STAMP)  ## everything but the slow tests
-	$(BIN)/python -m pytest -q -m 'not slow' $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -m 'not slow' $(XDIST) $(PYTEST_ARGS)
 
 # `make test-gpu` alone writes outputs/gpu-check; OUT given on the command line is that folder itself.
 GPU_OUT = $(if $(filter file,$(origin OUT)),$(OUT)/gpu-check,$(OUT))
@@ -109,7 +114,7 @@ test-torch-next:  ## CI: the training, resume, FSDP and export tests on TORCH_NE
 	@test -x $(NEXT_IMAGE)/bin/python || python3.11 -m venv $(NEXT_IMAGE)
 	$(NEXT_IMAGE)/bin/pip install --quiet --disable-pip-version-check $(TORCH_NEXT) $(QUIET)
 	$(MAKE) --no-print-directory install TORCH=system PYTHON=$(abspath $(NEXT_IMAGE))/bin/python VENV=$(NEXT_VENV)
-	$(NEXT_VENV)/bin/python -m pytest -q $(TORCH_NEXT_TESTS) $(PYTEST_ARGS)
+	$(NEXT_VENV)/bin/python -m pytest -q $(XDIST) $(TORCH_NEXT_TESTS) $(PYTEST_ARGS)
 
 lint: $(STAMP)  ## ruff lint + format check
 	$(BIN)/ruff check .

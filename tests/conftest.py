@@ -41,12 +41,16 @@ _LEFT: list[str] = []
 
 # -------------------------------------------------------------------------------------- collection
 S3_FIXTURES = ("s3_server", "s3_prefix")
+# Session fixtures too costly to build once per xdist worker: `make demo` for real (~2 CPU minutes) and the
+# trained tiny checkpoint (tests/train/conftest.py).
+ONE_WORKER_FIXTURES = ("demo_run", "tiny_run")
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects, so the s3 marks added here count
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     mark_s3_users(items)
     skip_gpu_tests_without_cuda(items)
+    group_for_workers(config, items)
 
 
 def mark_s3_users(items: list[pytest.Item]) -> None:
@@ -55,6 +59,22 @@ def mark_s3_users(items: list[pytest.Item]) -> None:
         uses_s3 = any(name in S3_FIXTURES for name in getattr(item, "fixturenames", ()))
         if uses_s3 and not item.get_closest_marker("s3"):
             item.add_marker(pytest.mark.s3)
+
+
+def group_for_workers(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (`make test` runs two workers, `--dist loadgroup`): a module's tests stay on one
+    worker, so its module fixtures are built once; the users of an expensive session fixture share one worker,
+    so it is built once a run; and the slow groups are handed out first, so no long one starts last."""
+    if not getattr(config.option, "numprocesses", None):
+        return
+    groups: dict[pytest.Item, str] = {}
+    for item in items:
+        used = getattr(item, "fixturenames", ())
+        module = item.nodeid.split("::")[0]
+        groups[item] = next((name for name in ONE_WORKER_FIXTURES if name in used), module)
+        item.add_marker(pytest.mark.xdist_group(groups[item]))
+    slow = {groups[item] for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: groups[item] not in slow)  # stable: collection order within each half
 
 
 def skip_gpu_tests_without_cuda(items: list[pytest.Item]) -> None:
