@@ -66,6 +66,16 @@ def is_sharded_checkpoint(path: str) -> bool:
     return os.path.isfile(os.path.join(path, SHARDED_METADATA_NAME))
 
 
+def checkpoint_location(save_folder: str, saved: str) -> str:
+    """Where a checkpoint this run just saved is for the user (a rerun resumes from it): `saved` itself in a
+    local save_folder; in an s3:// one its name under that folder, since Composer reports the local copy it
+    staged for the upload (a sharded checkpoint: its ep*-ba* folder)."""
+    if not storage.is_s3(save_folder):
+        return saved
+    parts = posixpath.normpath(saved).split("/")
+    return storage.join(save_folder, next((p for p in parts if SHARDED_FOLDER.match(p)), parts[-1]))
+
+
 def find_latest_checkpoint(save_folder: str) -> str | None:
     """The newest complete checkpoint in a save folder, or None when the folder has none yet: a `.pt`
     file, or a sharded checkpoint folder (see is_sharded_checkpoint).

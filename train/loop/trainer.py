@@ -346,7 +346,8 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
             compile_config=None,  # cfg.compile compiles the U-Net alone (train/model/assemble.py)
             fsdp_no_sync=cfg.fsdp_no_sync,  # accumulation without per-microbatch collectives (step.py)
         )
-    trainer.state.callbacks.append(StopAfterSave(monitor, trainer._checkpoint_saver))  # after the saver
+    # After the saver: progress.json and a stop name the checkpoint where it lives (s3:// too).
+    trainer.state.callbacks.append(StopAfterSave(monitor, trainer._checkpoint_saver, cfg.save_folder))
     conform_optimizer_state(trainer.state.optimizers)  # AdamW moments loaded in another layout
     return trainer
 

@@ -32,6 +32,7 @@ from composer.utils import dist
 from composer.utils.misc import create_interval_scheduler
 
 from shared.launch import control
+from train.checkpoints.files import checkpoint_location
 from train.resilience.exits import ResumableStop, record_exit
 from train.resilience.signals import restore
 
@@ -134,13 +135,17 @@ class ResilienceMonitor(Callback):
 class StopAfterSave(Callback):
     """After Composer's CheckpointSaver: progress.json, and the stop itself (see module doc)."""
 
-    def __init__(self, monitor: ResilienceMonitor, saver: Any):
-        self.monitor, self.saver = monitor, saver
+    def __init__(self, monitor: ResilienceMonitor, saver: Any, save_folder: str):
+        self.monitor, self.saver, self.save_folder = monitor, saver, save_folder
 
     def batch_checkpoint(self, state: State, logger: Logger) -> None:
         batch = int(state.timestamp.batch)
         saved = self.saver is not None and self.saver.last_checkpoint_batch == state.timestamp.batch
-        checkpoint = self.saver.saved_checkpoints[-1] if saved and self.saver.saved_checkpoints else None
+        checkpoint = (
+            checkpoint_location(self.save_folder, self.saver.saved_checkpoints[-1])
+            if saved and self.saver.saved_checkpoints
+            else None
+        )
         if saved:
             self.monitor.last_save = time.monotonic()
             folder = self.monitor.folder

@@ -18,7 +18,13 @@ import torch
 
 from shared import storage
 from tests.train.conftest import run_train_cli, tiny_config, tiny_overrides
-from train.checkpoints.files import LATEST_NAME, SYMLINK_SUFFIX, UnsafeCheckpointError, find_latest_checkpoint
+from train.checkpoints.files import (
+    LATEST_NAME,
+    SYMLINK_SUFFIX,
+    UnsafeCheckpointError,
+    checkpoint_location,
+    find_latest_checkpoint,
+)
 from train.loop.trainer import fit
 
 CLI_TIMEOUT_S = 300
@@ -148,3 +154,23 @@ def test_a_truncated_checkpoint_is_refused_naming_it(tiny_dataset: str, tmp_path
     with pytest.raises(UnsafeCheckpointError, match=re.escape("ep1-ba4-rank0.pt")):
         fit(cfg)
     assert os.readlink(save / LATEST_NAME) == "ep1-ba4-rank0.pt"
+
+
+@pytest.mark.parametrize(
+    ("saved", "expected"),
+    [
+        ("/tmp/x/runs/a/ep0-ba5-rank0.pt", "s3://bkt/runs/a/ep0-ba5-rank0.pt"),
+        ("runs/a/ep0-ba5/__0_0.distcp", "s3://bkt/runs/a/ep0-ba5"),
+        ("runs/a/ep1-ba12", "s3://bkt/runs/a/ep1-ba12"),
+    ],
+)
+def test_a_stop_names_the_checkpoint_where_it_lives_not_its_upload_staging_copy(
+    saved: str, expected: str
+) -> None:
+    """What a resumable stop and the supervisor's "a rerun resumes from" print (Composer reports the local
+    copy it staged for an s3:// upload); a local save folder's checkpoint is named as saved."""
+    assert checkpoint_location("s3://bkt/runs/a", saved) == expected
+    assert (
+        checkpoint_location("/data/runs/a", "/data/runs/a/ep0-ba5-rank0.pt")
+        == "/data/runs/a/ep0-ba5-rank0.pt"
+    )

@@ -300,4 +300,5 @@ def stop_on_sigterm(job: Job) -> int:
     for node in (node0, node1):  # every node's ranks saved the same step and said so
         assert f"stopped at batch {stopped} on" in node.text() and "rerun the same command" in node.text()
         assert_nothing_left(node)
+    assert f"({job.save}/ep" in node0.text()  # rank 0 names the checkpoint on S3, not its staged copy
     return stopped
