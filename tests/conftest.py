@@ -8,7 +8,8 @@ session, which points both `shared.storage` and MosaicML Streaming (it reads the
 The run gets a temp folder of its own (TMPDIR, tests/leftovers.py); pytest keeps `tmp_path` folders only
 for failed tests (pyproject: tmp_path_retention_policy). At the end the session lists, then removes,
 whatever it left in its temp folder and the Streaming segments it left in /dev/shm; with
-SD_TESTS_STRICT_LEFTOVERS=1 (CI) such leftovers fail the run.
+SD_TESTS_STRICT_LEFTOVERS=1 such leftovers fail the run. Under pytest-xdist the workers share the
+controller's temp folder and the controller checks once they have all ended (tests/leftovers.py start_run).
 """
 
 from __future__ import annotations

@@ -41,6 +41,7 @@ class Run:
     system_temp: Path
     temp: Path  # this run's TMPDIR
     shm_before: set[str] = field(default_factory=set)
+    checks: bool = True  # False in a pytest-xdist worker: the controller checks once every worker has ended
 
 
 def private_shm_works() -> bool:
@@ -58,7 +59,12 @@ def in_private_shm(argv: list[str]) -> list[str]:
 
 def start_run() -> Run:
     """A temp folder for this run (TMPDIR for it and its subprocesses); pytest's tmp_path stays in the system
-    temp folder. Call before anything caches tempfile.gettempdir()."""
+    temp folder. Call before anything caches tempfile.gettempdir(). A pytest-xdist worker runs in the
+    controller's folder (TMPDIR, inherited) and leaves the check to it: a worker's own report and exit status
+    never reach the terminal or CI."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        temp = Path(tempfile.gettempdir())
+        return Run(temp.parent, temp, shm_names(), checks=False)
     system_temp = Path(tempfile.gettempdir())
     temp = Path(tempfile.mkdtemp(prefix=RUN_PREFIX, dir=system_temp))
     os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", str(system_temp))
@@ -118,6 +124,8 @@ def _removed_at_exit() -> set[str]:
 
 def finish_run(run: Run, basetemp: Path | None) -> list[str]:
     """Lines naming what this run left behind (nothing: []), after removing it."""
+    if not run.checks:
+        return []
     lines = []
     roots = [run.temp.resolve(), *([basetemp.resolve()] if basetemp else [])]
     later = _removed_at_exit()
