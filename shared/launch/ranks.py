@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shared.launch.control import Heartbeat
+from shared.launch.control import CONTROL_DIR_ENV, Heartbeat
 
 STACK_TIMEOUT_S = 30  # py-spy reads a process's memory; a few seconds even for a large one
 RANK_EXIT_GRACE_S = 5.0  # a killed rank's resource tracker and loader workers notice within a second
@@ -119,6 +119,20 @@ def kill_all(pids: Sequence[int]) -> None:
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)  # SIGKILL also ends a SIGSTOPped process
+
+
+def strays(control_folder: Path, keep: Iterable[int]) -> list[int]:
+    """Processes outside `keep` whose environment names `control_folder` as $SD_CONTROL_DIR (every rank and
+    whatever it starts inherits it): the children of a rank killed from outside (kill -9, the OOM killer)
+    are reparented to init, out of reach of a kill of the launch's process tree, and some never exit by
+    themselves (Composer's upload worker waits on a queue whose writing end it holds too)."""
+    marker, kept = f"{CONTROL_DIR_ENV}={control_folder}".encode(), set(keep)
+    found = []
+    for pid in all_pids():
+        with contextlib.suppress(OSError):
+            if pid not in kept and marker in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                found.append(pid)
+    return found
 
 
 def _shm_mappings(pids: Iterable[int]) -> Iterator[tuple[int, str]]:

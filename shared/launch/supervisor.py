@@ -46,6 +46,7 @@ from shared.launch.ranks import (
     orphan_semaphores,
     stack_of,
     stopped,
+    strays,
     unmapped_shm,
 )
 from shared.runtime.exits import torchrun_argv
@@ -142,8 +143,16 @@ class Supervisor:
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+            self.end_strays(keep=[os.getpid()])
             shutil.rmtree(self.folder, ignore_errors=True)
             self.forget_shm()
+
+    def end_strays(self, keep: list[int]) -> None:
+        """SIGKILL what killed ranks left running outside the launch's process tree (ranks.strays)."""
+        found = strays(self.folder, keep)
+        if found:
+            kill_all(found)
+            self.log(f"ended {len(found)} process(es) killed ranks had left running (pids {found})")
 
     def watch_shm(self) -> None:
         assert self.proc is not None
@@ -163,6 +172,7 @@ class Supervisor:
         restarts, last_failure = 0, None
         while True:
             outcome = self.attempt()
+            self.end_strays(keep=[os.getpid()])  # torchrun has exited: nothing of this attempt may stay
             code = self.final_code(outcome)
             if code is not None:
                 return code
@@ -221,6 +231,7 @@ class Supervisor:
         ended = gens.observe(beats, alive)
         if ended is not None:
             self.void_old_record(beats, gens)
+            self.end_strays(keep=[os.getpid(), *descendants(os.getpid())])  # the new generation stays
             where = self.resume_point()
             if not gens.restarted(ended):
                 self.log(

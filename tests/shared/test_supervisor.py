@@ -4,6 +4,7 @@ paths with real training ranks: tests/train/resilience/test_unattended.py."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -17,7 +18,7 @@ import pytest
 
 from shared.launch import control
 from shared.launch.deadline import parse_end_time
-from shared.launch.supervisor import Supervision, Supervisor, descendants
+from shared.launch.supervisor import Supervision, Supervisor, alive, descendants
 
 FAST = {"poll_s": 0.05}
 
@@ -122,14 +123,16 @@ def test_semaphores_of_a_rank_killed_with_its_resource_tracker_are_removed_when_
 
 
 def test_a_semaphore_another_job_made_during_the_run_stays(tmp_path: Path) -> None:
-    """Another job of this user (here started by the rank itself, in a session of its own) creates a
-    semaphore during the run and holds it: it is mapped only by its creator, under glibc's temporary name,
-    and must survive the sweep at the end (matched by inode; by name it was taken)."""
+    """Another job of this user (started by the rank, in a session of its own and without the run's
+    $SD_CONTROL_DIR, so not one of the run's strays) creates a semaphore during the run and holds it: it is
+    mapped only by its creator, under glibc's temporary name, and must survive the sweep at the end
+    (matched by inode; by name it was taken)."""
     job = (
         "import multiprocessing as mp, time; lock = mp.get_context('spawn').Lock(); "
         "print(lock._semlock.name, flush=True); time.sleep(60)"
     )
-    body = f'setsid "{sys.executable}" -c "{job}" > "$T/sem-name" & echo $! > "$T/job-pid"\n'
+    other_job = f'env -u SD_CONTROL_DIR setsid "{sys.executable}" -c "{job}"'
+    body = f'{other_job} > "$T/sem-name" & echo $! > "$T/job-pid"\n'
     body += 'until [ -s "$T/sem-name" ]; do sleep 0.05; done; exit 0\n'
     code, lines = run(tmp_path, body)
     try:
@@ -138,6 +141,29 @@ def test_a_semaphore_another_job_made_during_the_run_stays(tmp_path: Path) -> No
         assert Path(f"/dev/shm/sem.{name}").exists(), lines
     finally:
         os.kill(int((tmp_path / "job-pid").read_text()), signal.SIGKILL)
+
+
+def test_what_a_killed_rank_left_running_outside_the_tree_is_ended(tmp_path: Path) -> None:
+    """A rank's child outlives the rank (reparented to init, as when a rank is kill -9'd from outside):
+    the supervisor ends it, found by the control folder in its environment; an unrelated process stays."""
+    unrelated = subprocess.Popen(["sleep", "60"])
+    body = 'setsid sleep 60 & echo $! > "$T/stray-pid"; exit 0\n'
+    try:
+        code, lines = run(tmp_path, body)
+        stray = int((tmp_path / "stray-pid").read_text())
+        deadline = time.time() + 10
+        while alive(stray) and time.time() < deadline:
+            time.sleep(0.05)
+        assert code == control.EXIT_DONE and not alive(stray), lines
+        assert any(
+            f"ended 1 process(es) killed ranks had left running (pids [{stray}])" in line for line in lines
+        )
+        assert unrelated.poll() is None
+    finally:
+        unrelated.kill()
+        unrelated.wait()
+        with contextlib.suppress(ProcessLookupError, ValueError, FileNotFoundError):
+            os.kill(int((tmp_path / "stray-pid").read_text()), signal.SIGKILL)
 
 
 def test_descendants_finds_grandchildren_in_new_sessions() -> None:

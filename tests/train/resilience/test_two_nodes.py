@@ -33,7 +33,7 @@ import pytest
 
 from shared.launch import control
 from shared.launch.supervisor import CONTROL_PREFIX, alive, descendants
-from tests.leftovers import RUN_KEEPS, private_shm_works
+from tests.leftovers import RUN_KEEPS, private_shm_works, processes_naming
 from tests.train.checkpoints.test_resume_ranks import assert_same_weights
 from tests.train.conftest import REPO_ROOT
 from train.checkpoints.files import fetched_checkpoint, find_latest_checkpoint, read_checkpoint
@@ -198,6 +198,9 @@ def saved_batch(save: str) -> int:
 def assert_nothing_left(node: Node) -> None:
     """The node's temp folder holds only what the run keeps; its /dev/shm held nothing when it exited (a
     killed generation's `sem.mp-*` semaphores included: shared/launch/ranks.py orphan_semaphores)."""
+    # No process either: a rank killed from outside leaves children reparented to init (supervisor strays).
+    running = processes_naming(node.folder)
+    assert running == [], f"{node.folder.name} left processes running: {running}"
     left = sorted(p.name for p in (node.folder / "tmp").iterdir() if not p.name.startswith(RUN_KEEPS))
     assert left == [], f"{node.folder.name} left in its temp folder: {left}"
     shm = node.folder / "shm-left"
@@ -273,6 +276,7 @@ def run_failures(job: Job) -> None:
     assert took < COLLECTIVE_TIMEOUT_S
     for node in (node0, replacement):
         assert_nothing_left(node)
+    assert processes_naming(node1.folder) == []  # lost whole: its earlier generations' strays were ended
 
 
 def test_sigterm_to_node_0s_launcher_saves_one_step_on_every_node_and_the_rerun_matches(

@@ -31,7 +31,7 @@ import pytest
 from shared.launch import control
 from shared.launch.plan import LaunchOptions
 from shared.launch.supervisor import CONTROL_PREFIX
-from tests.leftovers import streaming_segments_naming
+from tests.leftovers import processes_naming, streaming_segments_naming
 from tests.train.checkpoints.test_resume_ranks import assert_same_weights
 from tests.train.conftest import REPO_ROOT, tiny_overrides
 from train.checkpoints.files import LATEST_NAME, read_checkpoint
@@ -112,9 +112,11 @@ def assert_matches_reference(reference: Path, save: Path) -> None:
 
 
 def assert_nothing_left(text: str, tmp: Path) -> None:
-    """No Streaming segment of this run's folders in /dev/shm, no resource_tracker warning (issue 34)."""
+    """No Streaming segment of this run's folders in /dev/shm, no resource_tracker warning (issue 34), no
+    process of the run still running (its environment names `tmp`)."""
     assert "leaked shared_memory" not in text and "resource_tracker" not in text, text[-3000:]
     assert streaming_segments_naming([tmp.resolve()]) == []
+    assert processes_naming(tmp.resolve()) == []
 
 
 def assert_clean_stop(text: str, tmp: Path) -> None:
