@@ -66,14 +66,12 @@ def is_sharded_checkpoint(path: str) -> bool:
     return os.path.isfile(os.path.join(path, SHARDED_METADATA_NAME))
 
 
-def checkpoint_location(save_folder: str, saved: str) -> str:
-    """Where a checkpoint this run just saved is for the user (a rerun resumes from it): `saved` itself in a
-    local save_folder; in an s3:// one its name under that folder, since Composer reports the local copy it
-    staged for the upload (a sharded checkpoint: its ep*-ba* folder)."""
-    if not storage.is_s3(save_folder):
-        return saved
-    parts = posixpath.normpath(saved).split("/")
-    return storage.join(save_folder, next((p for p in parts if SHARDED_FOLDER.match(p)), parts[-1]))
+def checkpoint_location(save_folder: str, epoch: int, batch: int, sharded: bool) -> str:
+    """Where the checkpoint of this step is for the user (a rerun resumes from it), the same on every rank:
+    rank 0's file, or a sharded checkpoint's ep*-ba* folder, in save_folder. Not Composer's saved path: only
+    the saving ranks have one, and for an s3:// save_folder it is the local copy staged for the upload."""
+    name = f"ep{epoch}-ba{batch}" if sharded else CHECKPOINT_FILENAME.format(epoch=epoch, batch=batch, rank=0)
+    return storage.join(save_folder, name) if storage.is_s3(save_folder) else os.path.join(save_folder, name)
 
 
 def find_latest_checkpoint(save_folder: str) -> str | None:

@@ -141,10 +141,9 @@ class StopAfterSave(Callback):
     def batch_checkpoint(self, state: State, logger: Logger) -> None:
         batch = int(state.timestamp.batch)
         saved = self.saver is not None and self.saver.last_checkpoint_batch == state.timestamp.batch
+        stamp, sharded = state.timestamp, state.fsdp_sharded_state_dict_enabled
         checkpoint = (
-            checkpoint_location(self.save_folder, self.saver.saved_checkpoints[-1])
-            if saved and self.saver.saved_checkpoints
-            else None
+            checkpoint_location(self.save_folder, int(stamp.epoch), batch, sharded) if saved else None
         )
         if saved:
             self.monitor.last_save = time.monotonic()

@@ -157,20 +157,14 @@ def test_a_truncated_checkpoint_is_refused_naming_it(tiny_dataset: str, tmp_path
 
 
 @pytest.mark.parametrize(
-    ("saved", "expected"),
+    ("folder", "sharded", "expected"),
     [
-        ("/tmp/x/runs/a/ep0-ba5-rank0.pt", "s3://bkt/runs/a/ep0-ba5-rank0.pt"),
-        ("runs/a/ep0-ba5/__0_0.distcp", "s3://bkt/runs/a/ep0-ba5"),
-        ("runs/a/ep1-ba12", "s3://bkt/runs/a/ep1-ba12"),
+        ("s3://bkt/runs/a", False, "s3://bkt/runs/a/ep1-ba12-rank0.pt"),
+        ("s3://bkt/runs/a/", True, "s3://bkt/runs/a/ep1-ba12"),
+        ("/data/runs/a", False, "/data/runs/a/ep1-ba12-rank0.pt"),
     ],
 )
-def test_a_stop_names_the_checkpoint_where_it_lives_not_its_upload_staging_copy(
-    saved: str, expected: str
-) -> None:
-    """What a resumable stop and the supervisor's "a rerun resumes from" print (Composer reports the local
-    copy it staged for an s3:// upload); a local save folder's checkpoint is named as saved."""
-    assert checkpoint_location("s3://bkt/runs/a", saved) == expected
-    assert (
-        checkpoint_location("/data/runs/a", "/data/runs/a/ep0-ba5-rank0.pt")
-        == "/data/runs/a/ep0-ba5-rank0.pt"
-    )
+def test_a_stop_names_the_checkpoint_where_it_lives(folder: str, sharded: bool, expected: str) -> None:
+    """What a resumable stop and the supervisor's "a rerun resumes from" print, on every rank (Composer's
+    saved path exists on the saving ranks only, and is the staged local copy for an s3:// save_folder)."""
+    assert checkpoint_location(folder, 1, 12, sharded) == expected
