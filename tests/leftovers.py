@@ -156,14 +156,7 @@ def _remove_at_exit(folder: Path) -> None:
 def processes_naming(folder: Path) -> list[int]:
     """Live processes whose environment names a path under `folder` (a run's TMPDIR, control folder...):
     after the run none may be left (a rank killed from outside leaves children reparented to init)."""
-    from shared.launch.ranks import alive, all_pids
+    from shared.launch.ranks import alive, processes_whose_environ
 
-    marker, found = f"{folder}/".encode(), []
-    for pid in all_pids():
-        try:
-            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if alive(pid) and any(marker in entry for entry in env):
-            found.append(pid)
-    return found
+    marker = f"{folder}/".encode()
+    return [pid for pid in processes_whose_environ(lambda entry: marker in entry) if alive(pid)]

@@ -121,18 +121,23 @@ def kill_all(pids: Sequence[int]) -> None:
             os.kill(pid, signal.SIGKILL)  # SIGKILL also ends a SIGSTOPped process
 
 
+def processes_whose_environ(match: Callable[[bytes], bool], keep: Iterable[int] = ()) -> list[int]:
+    """Processes outside `keep` with an environment entry (`NAME=value` bytes) that `match` accepts."""
+    kept, found = set(keep), []
+    for pid in all_pids():
+        with contextlib.suppress(OSError):
+            if pid not in kept and any(map(match, Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"))):
+                found.append(pid)
+    return found
+
+
 def strays(control_folder: Path, keep: Iterable[int]) -> list[int]:
     """Processes outside `keep` whose environment names `control_folder` as $SD_CONTROL_DIR (every rank and
     whatever it starts inherits it): the children of a rank killed from outside (kill -9, the OOM killer)
     are reparented to init, out of reach of a kill of the launch's process tree, and some never exit by
     themselves (Composer's upload worker waits on a queue whose writing end it holds too)."""
-    marker, kept = f"{CONTROL_DIR_ENV}={control_folder}".encode(), set(keep)
-    found = []
-    for pid in all_pids():
-        with contextlib.suppress(OSError):
-            if pid not in kept and marker in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
-                found.append(pid)
-    return found
+    marker = f"{CONTROL_DIR_ENV}={control_folder}".encode()
+    return processes_whose_environ(marker.__eq__, keep)
 
 
 def _shm_mappings(pids: Iterable[int]) -> Iterator[tuple[int, str]]:
@@ -172,10 +177,9 @@ def _inode(path: str) -> int | None:
 def orphan_semaphores(since: float) -> set[str]:
     """Python's named semaphores (`sem.mp-*`) in /dev/shm that this user created at or after `since`: the
     ones no process maps (`unmapped_shm`, called after this scan) lost their creator, so nothing can open
-    them again. The poll-time sample of what the ranks map (`mapped_shm`) misses a
-    generation killed within one poll of creating them (the two-node test once left one on node 0); this
-    sweep does not depend on the timing. Another user's files are never taken (/dev/shm is sticky), nor
-    files older than the run."""
+    them again. The poll-time sample of what the ranks map (`mapped_shm`) misses a generation killed within
+    one poll of creating them (the two-node test once left one on node 0); this sweep does not depend on the
+    timing. Another user's files are never taken (/dev/shm is sticky), nor files older than the run."""
     found = set()
     with contextlib.suppress(OSError):
         for entry in os.scandir(SHM):

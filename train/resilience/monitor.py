@@ -141,11 +141,10 @@ class StopAfterSave(Callback):
     def batch_checkpoint(self, state: State, logger: Logger) -> None:
         batch = int(state.timestamp.batch)
         saved = self.saver is not None and self.saver.last_checkpoint_batch == state.timestamp.batch
-        stamp, sharded = state.timestamp, state.fsdp_sharded_state_dict_enabled
-        checkpoint = (
-            checkpoint_location(self.save_folder, int(stamp.epoch), batch, sharded) if saved else None
-        )
+        checkpoint = None
         if saved:
+            sharded = state.fsdp_sharded_state_dict_enabled
+            checkpoint = checkpoint_location(self.save_folder, int(state.timestamp.epoch), batch, sharded)
             self.monitor.last_save = time.monotonic()
             folder = self.monitor.folder
             if folder is not None and dist.get_local_rank() == 0:  # each node's supervisor reads its own
