@@ -252,8 +252,16 @@ def _quantiles(values: Any) -> dict[str, float]:
 
 
 # ---------------------------------------------------------------------------------------------- pipeline
-def time_pipeline(cfg: EncodeConfig, encoders: Encoders) -> tuple[float, int]:
-    """Seconds of one `run_rank` into a fresh output (nothing to reuse), and the samples it encoded."""
+@dataclass(frozen=True)
+class PipelineRun:
+    seconds: float
+    samples: int
+    main_thread: dict[str, float]  # encode.pipeline.MainThreadTimes: seconds by phase
+
+
+def time_pipeline(cfg: EncodeConfig, encoders: Encoders) -> PipelineRun:
+    """One `run_rank` into a fresh output (nothing to reuse): its seconds, the samples it encoded and where
+    its main thread's time went."""
     from encode.pipeline import RankInfo, run_rank
     from encode.sources import list_partitions
 
@@ -261,7 +269,8 @@ def time_pipeline(cfg: EncodeConfig, encoders: Encoders) -> tuple[float, int]:
     summary = run_rank(cfg, RankInfo(0, 1), encoders, list_partitions(cfg.source))
     if summary.failed:
         raise RuntimeError(f"encode bench: partitions failed: {summary.failed}")
-    return summary.seconds, encoders.texts_encoded - before  # each kept caption is encoded once
+    # each kept caption is encoded once
+    return PipelineRun(summary.seconds, encoders.texts_encoded - before, summary.main_thread)
 
 
 def bench_encode(
@@ -278,17 +287,36 @@ def bench_encode(
         stages.append(time_stages(stage_cfg, encoders, plan, setup))
         run_cfg = encode_config(plan, preset_name, source, work / f"encoded-{repeat}", setup)
         pipeline.append(time_pipeline(run_cfg, encoders))
-    samples, kept = pipeline[0][1], stages[0].kept
+    samples, kept = pipeline[0].samples, stages[0].kept
     if not samples or not kept:
         raise ValueError(
             "encode bench: no sample passed the filters; raise encode.source_short_side or samples"
         )
     stage_s = {name: statistics.median(run.seconds[name] for run in stages) for name in stages[0].seconds}
-    summary = summarize_encode(plan, samples, [s for s, _ in pipeline], kept, stage_s)
+    summary = summarize_encode(plan, samples, [run.seconds for run in pipeline], kept, stage_s)
     vae_input_s = statistics.median(run.vae_input_s for run in stages)
-    return summary | {
-        "vae_input_share_of_vae": vae_input_s / stage_s["vae"] if stage_s["vae"] else 0.0,
-        "latent_precision": precision_check(stage_cfg, encoders, plan),
+    return (
+        summary
+        | main_thread_summary(pipeline)
+        | {
+            "vae_input_share_of_vae": vae_input_s / stage_s["vae"] if stage_s["vae"] else 0.0,
+            "latent_precision": precision_check(stage_cfg, encoders, plan),
+        }
+    )
+
+
+def main_thread_summary(runs: list[PipelineRun]) -> dict[str, Any]:
+    """The main thread's seconds by phase in the median pipeline run, and each phase's share of that run.
+
+    At the bound on a GPU the main thread mostly waits: for the device (models are the slowest stage) or for
+    the workers (decoding is). Its own work (`launch`, `writing`, `publishing`) is what the device waits for
+    unless batches are queued ahead of it.
+    """
+    run = sorted(runs, key=lambda r: r.seconds)[len(runs) // 2]
+    phases = {name: round(s, 4) for name, s in run.main_thread.items()}
+    return {
+        "main_thread_s": phases,
+        "main_thread_share": {name: s / run.seconds if run.seconds else 0.0 for name, s in phases.items()},
     }
 
 

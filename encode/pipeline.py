@@ -1,8 +1,8 @@
 """The encode job: plan, encode this rank's unfinished partitions, then (rank 0) publish a version.
 
-Workers (encode/process/prepare.py) read, select, decode and resize; this process batches within a partition,
-runs the VAE and text tower, and writes rows (encode/process/writer.py). Batches never span partitions, so the
-bytes of a sample do not depend on the worker or rank count.
+Workers (encode/process/prepare.py) read, select, decode, resize and batch within a partition; this process
+queues the VAE and text tower on the device a few batches ahead and writes rows (encode/process/writer.py).
+Batches never span partitions, so the bytes of a sample do not depend on the worker or rank count.
 """
 
 from __future__ import annotations
@@ -11,10 +11,11 @@ import logging
 import os
 import time
 from collections import Counter, deque
+from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-
-import numpy as np
+from typing import TypeVar
 
 from encode.config import EncodeConfig
 from encode.plan.fingerprints import (
@@ -26,13 +27,14 @@ from encode.plan.fingerprints import (
     plan_partitions,
     stage_fingerprints,
 )
-from encode.process.encoders import Encoders, load_encoders
-from encode.process.prepare import PartitionEnd, PreparedSample, PreparedStream, keep_as_is
+from encode.process.encoders import Encoders, HostArrays, load_encoders
+from encode.process.prepare import PartitionEnd, PreparedBatch, PreparedSample, PreparedStream, keep_as_is
 from encode.process.writer import PartitionWriter, remove_stale_staging
 from encode.sources import Partition, list_partitions
 from shared.manifest import Layout
 
 log = logging.getLogger("encode")
+T = TypeVar("T")
 
 
 @dataclass
@@ -45,6 +47,7 @@ class RankSummary:
     markers: list[DoneMarker] = field(default_factory=list)
     failed: dict[str, str] = field(default_factory=dict)  # partition -> error
     seconds: float = 0.0
+    main_thread: dict[str, float] = field(default_factory=dict)  # MainThreadTimes.seconds
 
     @property
     def samples_written(self) -> int:
@@ -70,56 +73,86 @@ class RankInfo:
         return cls(int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)))
 
 
-class PartitionBatcher:
-    """Collects one partition's samples and flushes them through the models in batches, in order."""
+IN_FLIGHT_BATCHES = 3  # batches queued on the device while the host writes an earlier one's rows
 
-    def __init__(self, writer: PartitionWriter, encoders: Encoders, batch_size: int):
-        self.writer, self.encoders, self.batch_size = writer, encoders, batch_size
-        self.pending: list[PreparedSample] = []
 
-    def add(self, sample: PreparedSample) -> None:
-        self.pending.append(sample)
-        if len(self.pending) >= self.batch_size:
-            self.flush()
+class MainThreadTimes:
+    """Where the main thread's seconds go, by phase: `waiting_for_workers` (the next batch not prepared
+    yet), `launch` (queueing the models), `waiting_for_device` (results not there yet), `writing` (rows into
+    MDS) and `publishing` (closing a partition's shards, handing it to the uploader). On a GPU a pipeline at
+    its bound spends its time waiting for the slowest stage; anything else is host work the device waited
+    for."""
 
-    def flush(self) -> None:
-        if not self.pending:
-            return
-        batch, self.pending = self.pending, []
-        texts = self._texts(batch)
-        latents = self._latents(batch)
-        for i, sample in enumerate(batch):
-            self.writer.write(sample.key, sample.caption, texts[i], latents[i], sample.geometry)
+    PHASES = ("waiting_for_workers", "launch", "waiting_for_device", "writing", "publishing")
 
-    def _texts(self, batch: list[PreparedSample]) -> list[np.ndarray]:
-        todo = [i for i, s in enumerate(batch) if s.text_embedding is None]
-        out: list[np.ndarray | None] = [s.text_embedding for s in batch]
-        if todo:
-            encoded = self.encoders.encode_text(
-                [batch[i].text_input for i in todo], self.writer.cfg.text.store
-            )
-            for i, emb in zip(todo, encoded, strict=True):
-                out[i] = emb
-        self.writer.count("text", reused=False, n=len(todo))
-        self.writer.count("text", reused=True, n=len(batch) - len(todo))
-        return out  # type: ignore[return-value]
+    def __init__(self) -> None:
+        self.seconds = dict.fromkeys(self.PHASES, 0.0)
 
-    def _latents(self, batch: list[PreparedSample]) -> list[dict[int, tuple[np.ndarray, np.ndarray]]]:
-        out = [dict(s.latents) for s in batch]
-        resolutions = sorted({res for s in batch for res in (*s.pixels, *s.latents)})
-        for res in resolutions:
-            todo = [i for i, s in enumerate(batch) if res in s.pixels]
-            # A bucketed resolution holds several shapes: the VAE runs once per shape present.
-            by_shape: dict[tuple[int, ...], list[int]] = {}
-            for i in todo:
-                by_shape.setdefault(batch[i].pixels[res].shape, []).append(i)
-            for group in by_shape.values():
-                means, logvars = self.encoders.encode_images([batch[i].pixels[res] for i in group])
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] += time.perf_counter() - start
+
+    def items(self, iterable: Iterable[T]) -> Iterator[T]:
+        it = iter(iterable)
+        while True:
+            with self.phase("waiting_for_workers"):
+                item = next(it, None)
+            if item is None:
+                return
+            yield item
+
+
+@dataclass
+class LaunchedBatch:
+    """One batch with its text and VAE work queued on the device; `write` collects the results and writes
+    the batch's rows, in input order."""
+
+    writer: PartitionWriter
+    samples: list[PreparedSample]
+    text: tuple[list[int], HostArrays] | None  # samples without a reused text cell, and their cells
+    latents: list[tuple[int, list[int], HostArrays]]  # (resolution, samples, their mean and logvar)
+
+    def write(self, times: MainThreadTimes) -> None:
+        with times.phase("waiting_for_device"):
+            cells = dict(zip(self.text[0], self.text[1].arrays()[0], strict=True)) if self.text else {}
+            texts = [cells.get(i, s.text_embedding) for i, s in enumerate(self.samples)]
+            latents = [dict(s.latents) for s in self.samples]
+            for res, group, pending in self.latents:
+                means, logvars = pending.arrays()
                 for j, i in enumerate(group):
-                    out[i][res] = (means[j], logvars[j])
-            self.writer.count(f"latents:{res}", reused=False, n=len(todo))
-            self.writer.count(f"latents:{res}", reused=True, n=sum(res in s.latents for s in batch))
-        return out
+                    latents[i][res] = (means[j], logvars[j])
+        with times.phase("writing"):
+            for i, sample in enumerate(self.samples):
+                text = texts[i]
+                assert text is not None  # each sample either reused its text cell or had it encoded
+                self.writer.write(sample.key, sample.caption, text, latents[i], sample.geometry)
+
+
+def launch_batch(writer: PartitionWriter, samples: list[PreparedSample], encoders: Encoders) -> LaunchedBatch:
+    """Queue the text tower and the VAE (once per resolution and shape present) for one batch."""
+    todo = [i for i, s in enumerate(samples) if s.text_embedding is None]
+    text = None
+    if todo:
+        captions = [samples[i].text_input for i in todo]
+        text = (todo, encoders.launch_text(captions, writer.cfg.text.store))
+    writer.count("text", reused=False, n=len(todo))
+    writer.count("text", reused=True, n=len(samples) - len(todo))
+    latents = []
+    for res in sorted({res for s in samples for res in (*s.pixels, *s.latents)}):
+        # A bucketed resolution holds several shapes: the VAE runs once per shape present.
+        by_shape: dict[tuple[int, ...], list[int]] = {}
+        for i, s in enumerate(samples):
+            if res in s.pixels:
+                by_shape.setdefault(s.pixels[res].shape, []).append(i)
+        for group in by_shape.values():
+            latents.append((res, group, encoders.launch_images([samples[i].pixels[res] for i in group])))
+        writer.count(f"latents:{res}", reused=False, n=sum(len(g) for g in by_shape.values()))
+        writer.count(f"latents:{res}", reused=True, n=sum(res in s.latents for s in samples))
+    return LaunchedBatch(writer, samples, text, latents)
 
 
 def encode_partitions(
@@ -130,50 +163,60 @@ def encode_partitions(
     stages: StageFingerprints,
     summary: RankSummary,
 ) -> None:
-    """Run the worker stream and write every partition in `plans`, publishing each as it completes."""
+    """Run the worker stream and write every partition in `plans`, publishing each as it completes.
+
+    Up to IN_FLIGHT_BATCHES batches are queued on the device ahead of the one whose rows are being written,
+    so the device works while the host receives the next batch and writes the last one.
+    """
     import torch.utils.data
 
     shapes = {res: encoders.shapes(res, cfg.text.store) for res in cfg.transform.resolutions}
     by_id = {p.partition.id: p for p in plans}
-    open_batchers: dict[str, PartitionBatcher] = {}
+    writers: dict[str, PartitionWriter] = {}
+    in_flight: deque[LaunchedBatch] = deque()
+    times = MainThreadTimes()
     loader = torch.utils.data.DataLoader(
         PreparedStream(plans, cfg),
         batch_size=None,
         num_workers=min(cfg.workers, len(plans)),
         collate_fn=keep_as_is,
-        prefetch_factor=4 if cfg.workers else None,
+        prefetch_factor=2 if cfg.workers else None,  # batches per worker
     )
     progress = Progress(len(plans), enabled=cfg.progress)
     with Publisher(cfg.output.max_pending_uploads, summary, progress) as publisher:
-        for item in loader:
+        for item in times.items(loader):
             pid = item.partition
-            if pid not in open_batchers:
-                writer = PartitionWriter(by_id[pid], cfg, layout, shapes)
-                open_batchers[pid] = PartitionBatcher(writer, encoders, cfg.encoder.batch_size)
-            batcher = open_batchers[pid]
-            if isinstance(item, PreparedSample):
-                batcher.add(item)
+            if pid not in writers:
+                writers[pid] = PartitionWriter(by_id[pid], cfg, layout, shapes)
+            if isinstance(item, PreparedBatch):
+                with times.phase("launch"):
+                    in_flight.append(launch_batch(writers[pid], item.samples, encoders))
+                while len(in_flight) > IN_FLIGHT_BATCHES:
+                    in_flight.popleft().write(times)
                 continue
-            del open_batchers[pid]
-            finish_partition(batcher, item, stages, summary, publisher)
+            writer = writers.pop(pid)
+            while any(batch.writer is writer for batch in in_flight):  # FIFO: rows stay in input order
+                in_flight.popleft().write(times)
+            with times.phase("publishing"):
+                finish_partition(writer, item, stages, summary, publisher)
     progress.close()
+    summary.main_thread = times.seconds
 
 
 def finish_partition(
-    batcher: PartitionBatcher,
+    writer: PartitionWriter,
     end: PartitionEnd,
     stages: StageFingerprints,
     summary: RankSummary,
     publisher: Publisher,
 ) -> None:
     if end.error:
-        batcher.writer.discard()
+        writer.discard()
         summary.failed[end.partition] = end.error
         log.error("partition %s failed, will be retried on the next run: %s", end.partition, end.error)
         publisher.progress.update(summary)
         return
-    batcher.flush()
-    publisher.submit(batcher.writer, end, stages)
+    publisher.submit(writer, end, stages)
 
 
 class Publisher:

@@ -141,10 +141,15 @@ class TextEncoder:
         raise NotImplementedError
 
     def encode(self, captions: list[str]) -> torch.Tensor:
+        """Embeddings on the tower's device; on CUDA the ids cross from page-locked memory, so the call
+        queues work without waiting for the device (a pageable copy would wait for everything queued)."""
         import torch
 
+        ids, device = self.tokenize(captions), self.device
+        if device.type == "cuda":
+            ids = ids.pin_memory()
         with torch.inference_mode():
-            return self.embed_tokens(self.tokenize(captions).to(self.device)).float()
+            return self.embed_tokens(ids.to(device, non_blocking=True)).float()
 
     def to(self, device: Any, dtype: Any = None) -> TextEncoder:
         self.model.to(device=device, dtype=dtype)

@@ -1,9 +1,9 @@
 """The data side of encoding, run in worker processes: read, select, decode once, resize; or reuse.
 
-Each worker takes whole partitions and yields, in input order, one `PreparedSample` per kept sample and a
-final `PartitionEnd` with the partition's counts. The main process only runs the models and writes. A
-failure that is not about one sample (the input file vanished, S3 is down) ends the partition with
-`error` set: its staged output is dropped and no done-marker is written, so a rerun retries it.
+Each worker takes whole partitions and yields, in input order, its kept samples in `PreparedBatch`es of
+`encoder.batch_size` and a final `PartitionEnd` with the partition's counts. The main process only runs the
+models and writes. A failure that is not about one sample (the input file vanished, S3 is down) ends the
+partition with `error` set: its staged output is dropped and no done-marker is written, so a rerun retries it.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 import traceback
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -194,23 +194,56 @@ def prepare_partition(plan: PartitionPlan, cfg: EncodeConfig) -> Iterator[Prepar
     yield end
 
 
-class PreparedStream(torch.utils.data.IterableDataset):
-    """Partitions spread over DataLoader workers; each worker walks its partitions in order.
+@dataclass
+class PreparedBatch:
+    """Up to `encoder.batch_size` kept samples of one partition, in input order: what the models run on."""
 
-    Batches are later formed within a partition only, so the output does not depend on the worker count.
+    partition: str
+    samples: list[PreparedSample]
+
+
+def batch_partition(
+    items: Iterable[PreparedSample | PartitionEnd], size: int
+) -> Iterator[PreparedBatch | PartitionEnd]:
+    """One partition's kept samples in batches of `size` (the last may be short), then its end.
+
+    Batches are formed in the worker, not in the main process: from W workers the main process receives
+    their samples in turn, so per-partition batches built there all fill at once, every W x size samples,
+    and the device idles while the next round arrives. A failed partition's short last batch is dropped:
+    its output is discarded anyway.
+    """
+    pending: list[PreparedSample] = []
+    for item in items:
+        if isinstance(item, PartitionEnd):
+            if pending and item.error is None:
+                yield PreparedBatch(item.partition, pending)
+            pending = []
+            yield item
+            continue
+        pending.append(item)
+        if len(pending) == size:
+            yield PreparedBatch(item.partition, pending)
+            pending = []
+
+
+class PreparedStream(torch.utils.data.IterableDataset):
+    """Partitions spread over DataLoader workers; each worker walks its partitions in order and hands over
+    whole batches of one partition.
+
+    Batches never span partitions, so the output does not depend on the worker count.
     """
 
     def __init__(self, plans: Sequence[PartitionPlan], cfg: EncodeConfig):
         self.plans = list(plans)
         self.cfg = cfg
 
-    def __iter__(self) -> Iterator[PreparedSample | PartitionEnd]:
+    def __iter__(self) -> Iterator[PreparedBatch | PartitionEnd]:
         info = torch.utils.data.get_worker_info()
         worker, workers = (info.id, info.num_workers) if info else (0, 1)
         for plan in self.plans[worker::workers]:
-            yield from prepare_partition(plan, self.cfg)
+            yield from batch_partition(prepare_partition(plan, self.cfg), self.cfg.encoder.batch_size)
 
 
-def keep_as_is(item: PreparedSample | PartitionEnd) -> PreparedSample | PartitionEnd:
+def keep_as_is(item: PreparedBatch | PartitionEnd) -> PreparedBatch | PartitionEnd:
     """DataLoader `collate_fn` for batch_size=None: items cross the process boundary untouched."""
     return item

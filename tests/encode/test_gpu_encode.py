@@ -1,7 +1,8 @@
 """On a GPU: encode at 512 px with the shipped recipe's batch (jobs/datasets/laion400m.yaml) through
 `Encoders.encode_images` (uint8 to the device, fp16 autocast, channels_last VAE), SD2-base's shapes with
 random weights (no hub). Records the peak memory next to the computed estimate (encode/process/memory.py)
-in $GPU_TESTS_OUT/encode-512-peak.json (default outputs/gpu-tests) and asserts it fits a 40 GB A100."""
+in $GPU_TESTS_OUT/encode-512-peak.json (default outputs/gpu-tests) and asserts it fits a 40 GB A100.
+And: queueing a batch's models (what encode.pipeline does a few batches ahead) never waits for the device."""
 
 from __future__ import annotations
 
@@ -64,3 +65,27 @@ def test_encode_512px_at_the_recipe_batch_fits_a_40gb_a100(record_property: Any)
         record_property(key, value)
     print(json.dumps(result))
     assert reserved < A100_40GB_USABLE, result
+
+
+def test_queueing_a_batch_never_waits_for_the_device() -> None:
+    """encode.pipeline queues a few batches ahead (launch_text, launch_images): neither may synchronize with
+    the device, or the host would wait for every batch queued before it. The results equal a plain encode."""
+    preset = get_preset("tiny")
+    device = torch.device("cuda")
+    vae = build_vae(preset).to(device).to(memory_format=torch.channels_last)
+    text = build_text_encoder(preset)
+    text.to(device)
+    encoders = Encoders(preset, vae, text, device, "fp16", ids=None)  # type: ignore[arg-type]
+    rng = np.random.default_rng(0)
+    pixels = [rng.integers(0, 256, (64, 64, 3), dtype=np.uint8) for _ in range(8)]
+    captions = ["a photo of a cat"] * 8
+    expected_text, expected_mean = encoders.encode_text(captions), encoders.encode_images(pixels)[0]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        queued = [(encoders.launch_text(captions), encoders.launch_images(pixels)) for _ in range(3)]
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    for text_out, images_out in queued:
+        assert np.array_equal(text_out.arrays()[0], expected_text)
+        assert np.array_equal(images_out.arrays()[0], expected_mean)

@@ -12,10 +12,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from encode import pipeline
 from encode.config import EncodeConfig
 from encode.pipeline import RankInfo, RankSummary, run_rank
 from encode.plan.reuse import iter_mds_rows
 from encode.process.encoders import Encoders, load_encoders
+from encode.process.prepare import PartitionEnd, PreparedBatch, PreparedSample, batch_partition
 from encode.publish.finalize import NotFinishedError, PublishResult, collect_garbage, publish
 from encode.sample_data import build_parquet, build_webdataset
 from encode.sources import list_partitions
@@ -193,6 +195,63 @@ def test_two_ranks_make_the_same_dataset_as_one(wds: Path, tmp_path: Path, encod
         for key, row in one.items():
             for column in (contract.LATENT_MEAN, contract.LATENT_LOGVAR, contract.TEXT_EMBEDDING):
                 assert row[column].tobytes() == two[key][column].tobytes()
+
+
+def test_batches_queued_ahead_write_the_same_rows_in_input_order(
+    wds: Path, tmp_path: Path, encoders: Encoders, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Batches of 5 from 2 workers at once: up to IN_FLIGHT_BATCHES are queued on the device ahead of the
+    one being written, batches of different partitions interleave, and each partition still publishes
+    only after all of its rows are written, in input order, the same bytes as one batch at a time."""
+    events: list[tuple[str, int]] = []
+    launch, write = pipeline.launch_batch, pipeline.LaunchedBatch.write
+
+    def logged_launch(*args: object, **kwargs: object) -> pipeline.LaunchedBatch:
+        batch = launch(*args, **kwargs)  # type: ignore[arg-type]
+        events.append(("launch", id(batch)))
+        return batch
+
+    def logged_write(self: pipeline.LaunchedBatch, times: pipeline.MainThreadTimes) -> None:
+        events.append(("write", id(self)))
+        write(self, times)
+
+    monkeypatch.setattr(pipeline, "launch_batch", logged_launch)
+    monkeypatch.setattr(pipeline.LaunchedBatch, "write", logged_write)
+    (queued,), _ = encode(make_cfg(wds, tmp_path / "queued", "workers=2", "encoder.batch_size=5"), encoders)
+    ahead, queued_events = pipeline.IN_FLIGHT_BATCHES, list(events)
+    monkeypatch.setattr(pipeline, "IN_FLIGHT_BATCHES", 0)
+    encode(make_cfg(wds, tmp_path / "serial", "workers=0", "encoder.batch_size=5"), encoders)
+
+    depth = deepest = 0
+    for kind, _ in queued_events:
+        depth += 1 if kind == "launch" else -1
+        deepest = max(deepest, depth)
+    assert ahead >= 2 and deepest == ahead + 1
+    assert set(queued.main_thread) == set(pipeline.MainThreadTimes.PHASES)
+    assert 0 < sum(queued.main_thread.values()) <= queued.seconds
+    for res in (LOW, HIGH):
+        rows, serial = rows_by_key(tmp_path / "queued", res), rows_by_key(tmp_path / "serial", res)
+        assert list(rows) == sorted(rows) and list(serial) == sorted(serial)  # input order (keys ascend)
+        assert rows.keys() == serial.keys()
+        for key, row in rows.items():
+            for column in (contract.LATENT_MEAN, contract.LATENT_LOGVAR, contract.TEXT_EMBEDDING):
+                assert row[column].tobytes() == serial[key][column].tobytes()
+
+
+def test_batches_never_span_a_partition_and_a_failed_one_drops_its_short_batch() -> None:
+    def samples(partition: str, n: int) -> list[PreparedSample]:
+        return [PreparedSample(partition, f"{partition}-{i}", "c", "c", None) for i in range(n)]
+
+    done = batch_partition([*samples("a", 7), PartitionEnd("a")], size=3)
+    assert [(type(b).__name__, len(getattr(b, "samples", []))) for b in done] == [
+        ("PreparedBatch", 3),
+        ("PreparedBatch", 3),
+        ("PreparedBatch", 1),
+        ("PartitionEnd", 0),
+    ]
+    failed = list(batch_partition([*samples("b", 4), PartitionEnd("b", error="gone")], size=3))
+    assert [len(b.samples) for b in failed if isinstance(b, PreparedBatch)] == [3]
+    assert isinstance(failed[-1], PartitionEnd) and failed[-1].error == "gone"
 
 
 def test_rerun_with_another_rank_count_reuses_finished_partitions(

@@ -92,6 +92,9 @@ def encode_findings(encode: dict[str, Any]) -> list[str]:
         f"{_pct(encode['share_of_bound'])} of its bound {encode['bound_samples_per_s']:,.1f} and "
         f"{_pct(encode['share_of_slowest_stage'])} of its slowest stage ({encode['slowest_stage']}){flag}"
     ]
+    if shares := encode.get("main_thread_share"):
+        spent = ", ".join(f"{name.replace('_', ' ')} {_pct(share)}" for name, share in shares.items())
+        notes.append(f"encode main thread: {spent} of the pipeline's time")
     if encode["vae_input_share_of_vae"] > HOST_WORK_SHARE:
         notes.append(
             f"encode VAE stage: {_pct(encode['vae_input_share_of_vae'])} of it is host-side pixel conversion "

@@ -13,6 +13,7 @@ import torch
 import typer
 from typer.testing import CliRunner
 
+from encode.pipeline import MainThreadTimes
 from shared.config import ConfigError
 from shared.estimate import estimate, load_estimate_config, read_bench
 from train.bench.cli import bench_command
@@ -101,6 +102,8 @@ def test_bench_writes_json_with_every_section(bench_run: tuple[dict[str, Any], P
     assert all(positive(encode["stages_samples_per_s"][k]) for k in ("prepare", "vae", "text"))
     assert positive(encode["bound_samples_per_s"]) and encode["slowest_stage"] in ("prepare", "vae", "text")
     assert 0 < encode["vae_input_share_of_vae"] < 1
+    assert set(encode["main_thread_share"]) == set(MainThreadTimes.PHASES)  # where the pipeline's time went
+    assert 0 < sum(encode["main_thread_share"].values()) <= 1
 
 
 def test_bench_writes_markdown_table(bench_run: tuple[dict[str, Any], Path]) -> None:
