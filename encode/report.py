@@ -23,6 +23,14 @@ def print_rank(summary: RankSummary) -> None:
         f"{summary.samples_read} samples read, {summary.samples_written} rows written, "
         f"{summary.images_encoded} images through the VAE ({rate:.1f} img/s), {summary.seconds:.1f} s"
     )
+    if summary.main_thread and summary.seconds:
+        # Which stage bounds this rank: mostly waiting for the device or for the workers is the bound
+        # (a faster model or more `workers`); launch / writing / publishing is host work.
+        spent = ", ".join(
+            f"{name.replace('_', ' ')} {100 * seconds / summary.seconds:.0f}%"
+            for name, seconds in summary.main_thread.items()
+        )
+        typer.echo(f"{who}: main thread: {spent}")
     reused_text = sum(m.reused["text"] for m in summary.markers)
     reused_latents = sum(sum(m.reused["latents"].values()) for m in summary.markers)
     if reused_text or reused_latents:
