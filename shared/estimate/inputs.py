@@ -68,6 +68,12 @@ def read_bench(uri: str) -> dict[str, Any]:
     where = f"bench result {uri}"
     return {
         "train": {_resolution(r, where): _rate(e, f"{where}: train.{r}") for r, e in train.items()},
+        # images per device in the timed step (older bench JSONs do not say)
+        "batch": {
+            _resolution(r, where): int(e["batch_size"])
+            for r, e in train.items()
+            if isinstance(e, dict) and isinstance(e.get("batch_size"), int)
+        },
         "device": device,
         "gpu_type": gpu_type_for_device(device) if device else None,
         "num_devices": int(obj["num_devices"]) if obj.get("num_devices") else None,
@@ -111,6 +117,7 @@ def resolve_inputs(cfg: EstimateConfig) -> Measured:
         notes.append(f"throughput from {cfg.throughput_from} ({bench['device'] or 'device not recorded'})")
         if bench["device"] and not bench["gpu_type"]:
             notes.append(f"WARNING: bench device {bench['device']!r} is unknown; taken as {measured_on}")
+        notes += _batch_mismatch_notes(cfg, bench["batch"])
     bytes_per_sample = {int(k): v for k, v in cfg.storage.bytes_per_sample.items()}
     kept: dict[int, float] = {}
     if cfg.storage.manifest:
@@ -149,3 +156,21 @@ def _device_mismatch_note(cfg: EstimateConfig, measured_on: str) -> str:
         f"WARNING: throughput measured on {measured_on} but planning {cfg.gpu.type}; run `make bench` on "
         f"{cfg.gpu.type} or set throughput.scale_by_peak_flops=true for an optimistic bound"
     )
+
+
+def _batch_mismatch_notes(cfg: EstimateConfig, measured: Mapping[int, int]) -> list[str]:
+    """A throughput timed at another batch per GPU than the plan's microbatch does not carry over: a
+    smaller batch runs smaller kernels for the same per-step host work and launches (SD2 at 256 px, batch
+    8: 32x32 latents), so its images/s per GPU is lower, by an amount only a GPU measures."""
+    notes = []
+    planned = {int(r): b for r, b in cfg.memory.microbatch.items()}
+    for res in sorted({p.resolution for p in cfg.schedule}):
+        bench_batch, plan_batch = measured.get(res), planned.get(res)
+        if bench_batch and plan_batch and bench_batch != plan_batch:
+            notes.append(
+                f"WARNING: {res} px throughput was measured at {bench_batch} images per GPU, this plan runs "
+                f"microbatches of {plan_batch} (memory.microbatch): measure that batch "
+                f"(`make bench BENCH=full ARGS='step.batch_size={plan_batch} "
+                f"step.batch_size_by_resolution={{}}'`) or run the global batch on fewer GPUs"
+            )
+    return notes

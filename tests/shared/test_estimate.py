@@ -234,6 +234,16 @@ def test_throughput_from_bench_json(tmp_path: Path) -> None:
     assert any(str(path) in n for n in est.notes)
 
 
+def test_a_bench_at_another_batch_than_the_plan_is_named(tmp_path: Path) -> None:
+    train = {"256": {"images_per_s_per_device": 400.0, "batch_size": 64}}
+    train["512"] = {"images_per_s_per_device": 90.0, "batch_size": 8}
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps({"device": "NVIDIA H100 80GB HBM3", "num_devices": 1, "train": train}))
+    est = estimate(plan("gpu.type=H100", f"throughput_from={path}", "encode.samples=0"))
+    warned = [n for n in est.notes if "measured at" in n]
+    assert len(warned) == 1 and "256 px" in warned[0] and "step.batch_size=8" in warned[0]
+
+
 def test_bad_bench_json_names_the_fix(tmp_path: Path) -> None:
     path = tmp_path / "bench.json"
     path.write_text(json.dumps({"train": {"256": {"images_per_s_per_device": 100}}}))
