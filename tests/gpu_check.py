@@ -41,6 +41,7 @@ GPU_TESTS: dict[str, int] = {
     "::test_cuda_batch_is_pinned_uint8_and_latents_match_the_float_path": 60,
     "tests/train/model/test_online_text_precision.py"
     "::test_tokens_mode_under_bf16_autocast_matches_the_stored_embeddings_on_gpu": 60,
+    "tests/encode/test_gpu_encode.py::test_queueing_a_batch_never_waits_for_the_device": 40,
     "tests/encode/test_gpu_encode.py::test_encode_512px_at_the_recipe_batch_fits_a_40gb_a100": 60,
     "tests/train/bench/test_bench.py::test_gpu_bench_uses_bf16_and_reports_mfu": 90,
     "tests/train/loop/test_gpu.py::test_bf16_channels_last_compiled_fsdp_trains_resumes_and_exports": 150,
