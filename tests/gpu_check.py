@@ -217,7 +217,7 @@ class Check:
         outcome = "timed out" if code is None else "passed" if code == 0 else "failed"
         self.result["bench"] = {"outcome": outcome, "seconds": round(seconds, 1), "limit_s": round(limit)}
         path = bench_dir / "bench.json"
-        if code == 0 and path.exists():
+        if path.exists():  # a bench stopped at its limit leaves the sections it finished (complete: false)
             self.result["bench"] |= bench_headline(json.loads(path.read_text()))
         print(f"[{self.elapsed()}] bench {outcome} in {seconds:.0f} s", flush=True)
 
@@ -242,6 +242,8 @@ def bench_headline(bench: dict[str, Any]) -> dict[str, Any]:
         for res, t in (bench.get("train") or {}).items()
     }  # fmt: skip
     return {
+        "complete": bench.get("complete", True),
+        **({"stopped_in": bench["running"]} if bench.get("complete") is False else {}),
         "device": bench.get("device"),
         "step": step,
         "encode_samples_per_s": dig(bench, "encode", "images_per_s_per_device"),

@@ -135,6 +135,10 @@ def test_the_bench_headline_reads_what_is_there() -> None:
     assert head["encode_samples_per_s"] is None and head["composer_outside_step_share"] == 0.108
     assert head["headline"] == {"new_key": 1}
     assert bench_headline({})["step"] == {}
+    assert head["complete"] is True and "stopped_in" not in head
+    stopped = bench_headline(bench | {"complete": False, "running": "encode"})  # stopped at its limit
+    assert stopped["complete"] is False and stopped["stopped_in"] == "encode"
+    assert stopped["step"]["256"]["mfu"] == 0.109
 
 
 @pytest.mark.slow

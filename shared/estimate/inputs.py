@@ -75,6 +75,7 @@ def read_bench(uri: str) -> dict[str, Any]:
             if isinstance(e, dict) and isinstance(e.get("batch_size"), int)
         },
         "device": device,
+        "stopped_in": obj.get("running") if obj.get("complete") is False else None,
         "gpu_type": gpu_type_for_device(device) if device else None,
         "num_devices": int(obj["num_devices"]) if obj.get("num_devices") else None,
         "encode": _encode_rate(obj["encode"], f"{where}: encode") if obj.get("encode") else None,
@@ -118,6 +119,8 @@ def resolve_inputs(cfg: EstimateConfig) -> Measured:
         if bench["device"] and not bench["gpu_type"]:
             notes.append(f"WARNING: bench device {bench['device']!r} is unknown; taken as {measured_on}")
         notes += _batch_mismatch_notes(cfg, bench["batch"])
+        if bench["stopped_in"]:
+            notes.append(f"bench stopped in its {bench['stopped_in']} section; its step numbers are whole")
     bytes_per_sample = {int(k): v for k, v in cfg.storage.bytes_per_sample.items()}
     kept: dict[int, float] = {}
     if cfg.storage.manifest:

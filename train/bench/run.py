@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import json
 import os
 import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -32,7 +34,7 @@ from train.bench.data import (
     shard_files,
     write_synthetic_dataset,
 )
-from train.bench.report import findings
+from train.bench.report import JSON_NAME, findings
 from train.bench.scale import bench_collectives
 from train.bench.scale_s3 import S3_RUN_BATCH, bench_s3_requests
 from train.bench.step import bench_train_steps, count_flops, mfu
@@ -220,16 +222,18 @@ def _run_sections(cfg: BenchConfig) -> dict[str, Any]:
         raise ConfigError(str(err)) from err
     peak, peak_source = device_peak(cfg, setup)
     timings: dict[str, float] = {}
+    result: dict[str, Any] = {"complete": False}
+    partial = PartialResult(cfg.out_dir, result, timings)
     with _scratch(cfg.work_dir) as work:
         recipe = load_recipe(cfg, setup, work)
         # The layout is the recipe's train config switch, resolved as the train job resolves it.
         setup = dataclasses.replace(setup, channels_last=use_channels_last(recipe, setup.kind))
-        with _timed_section(timings, "flops"):
+        with partial.section("flops"):
             counted = {*cfg.step.resolutions, *cfg.step.text_store_at(), *cfg.encode.vae_resolutions}
             flops = count_flops(cfg.preset, sorted(counted))
-        with _timed_section(timings, "train"):
+        with partial.section("train"):
             train = bench_train_steps(recipe, setup, cfg.step, flops, peak, cfg.seed)
-        result: dict[str, Any] = {
+        result |= {
             "device": setup.name,
             "device_type": setup.kind,
             "num_devices": 1,  # per-device numbers from one device, no gradient all-reduce
@@ -243,23 +247,23 @@ def _run_sections(cfg: BenchConfig) -> dict[str, Any]:
             "train": train,
         }
         if cfg.anatomy.enabled:
-            with _timed_section(timings, "anatomy"):
+            with partial.section("anatomy"):
                 result["anatomy"] = anatomy_section(cfg, recipe, setup, work, flops, peak)
         if cfg.buckets.enabled:
-            with _timed_section(timings, "buckets"):
+            with partial.section("buckets"):
                 result["buckets"] = bench_buckets(cfg, recipe, setup, work)
         if cfg.step.text_store_at():
-            with _timed_section(timings, "text_store"):
+            with partial.section("text_store"):
                 result["text_store"] = bench_text_store(recipe, setup, cfg.step, flops, cfg.seed)
         if cfg.loader.enabled or cfg.trainer.enabled:
-            with _timed_section(timings, "data"):
+            with partial.section("data"):
                 result |= bench_data_sections(cfg, recipe, setup, work)
         if cfg.encode.enabled:
-            with _timed_section(timings, "encode"):
+            with partial.section("encode"):
                 result["encode"] = bench_encode_section(cfg, setup, work, flops, peak)
         counters: dict[str, Any] = {}
         if cfg.scale.s3 or cfg.scale.collectives:
-            with _timed_section(timings, "scale"):
+            with partial.section("scale"):
                 counters = scale_counters(cfg, work)
     scale = scale_section(result["trainer"]) if "trainer" in result else {}
     if scale or counters:
@@ -268,7 +272,34 @@ def _run_sections(cfg: BenchConfig) -> dict[str, Any]:
     result["seconds_by_section"] = timings
     result["created"] = datetime.now(UTC).isoformat(timespec="seconds")
     result["config"] = config_to_dict(cfg)
+    result["complete"] = True
     return result
+
+
+@dataclass
+class PartialResult:
+    """The sections measured so far, written to `<out_dir>/bench.json` as each section starts (`complete:
+    false`, `running`: that section; the CLI overwrites it with the whole result at the end). A bench
+    stopped at a time limit, as the bounded GPU check stops it, or failing in a later section, still
+    leaves the numbers it had, and says where it stopped."""
+
+    out_dir: str
+    result: dict[str, Any]
+    timings: dict[str, float]
+
+    @contextmanager
+    def section(self, name: str) -> Iterator[None]:
+        self.write(running=name)
+        with _timed_section(self.timings, name):
+            yield
+
+    def write(self, running: str) -> None:
+        out = Path(self.out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        body = self.result | {"running": running, "seconds_by_section": self.timings}
+        tmp = out / f".{JSON_NAME}.partial"
+        tmp.write_text(json.dumps(body, indent=2) + "\n")
+        tmp.replace(out / JSON_NAME)  # a reader never sees half a file
 
 
 @contextmanager

@@ -81,6 +81,7 @@ def test_bench_writes_json_with_every_section(bench_run: tuple[dict[str, Any], P
     assert {"device", "num_devices", "flops", "train", "loader", "trainer", "encode", "findings"} <= set(
         result
     )
+    assert result["complete"] is True
     assert result["device_type"] == "cpu" and result["precision"] == "fp32" and result["peak_tflops"] is None
     assert set(result["train"]) == set(result["flops"]) == {"64", "128"}
     for res, train in result["train"].items():
@@ -196,6 +197,30 @@ def test_cli_reports_config_errors() -> None:
     app.command()(bench_command)
     result = CliRunner().invoke(app, ["quick", "no_such_key=1"])
     assert result.exit_code == 2 and "unknown key" in result.output
+
+
+def test_a_bench_stopped_in_a_later_section_leaves_the_sections_before_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bench.json is rewritten after every section (`complete: false` until the end): the bounded GPU
+    check stops a bench at its time limit, and a slow compile must not cost the step numbers."""
+    import train.bench.run
+
+    def stopped(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt  # what a stop at the time limit raises in the middle of a section
+
+    monkeypatch.setattr(train.bench.run, "bench_encode_section", stopped)
+    only = ["step.resolutions=[64]", "step.online=false", "loader.enabled=false", "trainer.enabled=false"]
+    only += ["anatomy.enabled=false", "buckets.enabled=false", "step.text_store=false"]
+    out = tmp_path / "out"
+    cfg = load_bench_config("quick", [*MINIMAL, *only, f"out_dir={out}", f"work_dir={tmp_path / 'work'}"])
+    with pytest.raises(KeyboardInterrupt):
+        run_bench(cfg)
+    partial = json.loads((out / JSON_NAME).read_text())
+    assert partial["complete"] is False and "encode" not in partial
+    assert positive(partial["train"]["64"]["images_per_s_per_device"])
+    assert partial["running"] == "encode" and set(partial["seconds_by_section"]) == {"flops", "train"}
+    assert sorted(p.name for p in out.iterdir()) == [JSON_NAME]  # no temporary file left beside it
 
 
 @pytest.mark.gpu
