@@ -129,7 +129,9 @@ class EncoderConfig:
     # near 5) moved the mean by up to 0.036 = 3.0-6.6 posterior stds, 16-24% of values by > 0.1 std;
     # fp16 by up to 0.0035 = 0.27-0.43 std, 0.1-0.14% of values by > 0.1 std, nothing overflowed.
     precision: Literal["fp32", "fp16", "bf16"] = "fp16"
-    batch_size: int = allowed(32, ge=1)
+    # Images per model call; 0: the most the GPU's memory holds at the largest resolution (encode/process/
+    # memory.py auto_batch: 88 on a 40 GB A100 at 512 px, 184 on an 80 GB H100), 32 off a GPU.
+    batch_size: int = allowed(32, ge=0)
     # The VAE's GroupNorms in the inference dtype instead of autocast's fp32 (shared/norms.py): half their
     # bytes, no NHWC -> NCHW copy around each on CUDA. Acts only under autocast (GPU fp16 / bf16); CPU runs
     # are unchanged. `make bench` reports the latents' error over the posterior std with it (encode section).

@@ -7,6 +7,7 @@ Batches never span partitions, so the bytes of a sample do not depend on the wor
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -298,6 +299,9 @@ def run_rank(
     start = time.perf_counter()
     partitions = partitions if partitions is not None else list_partitions(cfg.source)
     encoders = encoders or load_encoders(cfg)
+    if not cfg.encoder.batch_size:  # 0: sized from the device's memory when the encoders were loaded
+        sized = dataclasses.replace(cfg.encoder, batch_size=encoders.batch_size)
+        cfg = dataclasses.replace(cfg, encoder=sized)
     layout = Layout(cfg.output.uri)
     stages = stage_fingerprints(cfg, encoders.ids)
     mine = plan_partitions(

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -18,12 +20,21 @@ import torch
 from encode.config import EncodeConfig
 from encode.plan.fingerprints import EncoderIds
 from encode.process.images import UINT8_MAX
+from encode.process.memory import (
+    BATCH_HEADROOM,
+    CPU_AUTO_BATCH,
+    auto_batch,
+    vae_encode_peak_per_image,
+    weights_bytes,
+)
 from shared import contract
 from shared.encoders import TOKENS, EncoderIdentity
 from shared.models import TextEncoder, build_text_encoder, build_vae, weights_fingerprint
 from shared.norms import use_low_precision_norms
 from shared.presets import Preset, get_preset
 from shared.runtime.device import autocast, pick_torch_device
+
+log = logging.getLogger("encode")
 
 
 def tokenizer_fingerprint(text: TextEncoder) -> str:
@@ -102,6 +113,7 @@ class Encoders:
     # How many captions / images went through each model in this process (tests and metrics read these).
     texts_encoded: int = 0
     images_encoded: int = 0
+    batch_size: int = 32  # what `encoder.batch_size: 0` resolved to (load_encoders); else the config's
 
     def shapes(self, resolution: int, store: str = "embeddings") -> contract.Shapes:
         return contract.Shapes(self.preset.latent_shape(resolution), self.preset.text_shape(), store)
@@ -178,12 +190,38 @@ def load_encoders(cfg: EncodeConfig) -> Encoders:
     ids = EncoderIds(
         vae=weights_fingerprint(vae), text=text.fingerprint(), tokenizer=tokenizer_fingerprint(text)
     )
+    batch = cfg.encoder.batch_size or batch_from_memory(vae, text, largest_image_pixels(cfg), device)
     vae.to(device)
     if device.type == "cuda":
         vae.to(memory_format=torch.channels_last)
     speed_up_vae(vae, cfg.encoder.low_precision_norms, cfg.encoder.compile)
     text.to(device)
-    return Encoders(preset, vae, text, device, cfg.encoder.precision, ids)
+    return Encoders(preset, vae, text, device, cfg.encoder.precision, ids, batch_size=batch)
+
+
+def largest_image_pixels(cfg: EncodeConfig) -> int:
+    """Pixels of the largest image the VAE meets: the largest resolution's square or bucket."""
+    buckets = cfg.transform.bucket_lists(cfg.filter.max_aspect_ratio)
+    return max(max((h * w for h, w in buckets.get(r, [])), default=r * r) for r in cfg.transform.resolutions)
+
+
+def batch_from_memory(vae: Any, text: TextEncoder, pixels: int, device: torch.device) -> int:
+    """`encoder.batch_size: 0`: the batch this GPU's memory holds, from the VAE encoder's computed peak per
+    image at `pixels` (run on the host, before the VAE moves) beside both models' weights."""
+    if device.type != "cuda":
+        log.info("encoder.batch_size=0: %d per batch (not on a GPU)", CPU_AUTO_BATCH)
+        return CPU_AUTO_BATCH
+    per_image = vae_encode_peak_per_image(vae, math.sqrt(pixels))
+    fixed = weights_bytes(vae, text.model)
+    total = torch.cuda.get_device_properties(device).total_memory
+    batch = auto_batch(per_image, fixed, total)
+    log.info(
+        "encoder.batch_size=0: %d per batch on %s (%.0f MiB of VAE activations per image at %d px, %.1f GB "
+        "of weights, %.0f%% of %.1f GiB)",
+        batch, torch.cuda.get_device_name(device), per_image / 2**20, pixels, fixed / 1e9,
+        100 * BATCH_HEADROOM, total / 2**30,
+    )  # fmt: skip
+    return batch
 
 
 def speed_up_vae(vae: Any, low_precision_norms: bool, compile: bool) -> None:

@@ -7,10 +7,15 @@ runs on GPU; group norms stay in fp32 under both) and scales by the pixel count:
 encoder's convolutions and norms grows with H x W. Its mid-block attention does not, but on a GPU it runs
 as memory-efficient SDPA and never holds the token x token matrix.
 
-SD2-base's VAE, computed: 33.8 MiB per image at 128 px under bf16 autocast (40.0 MiB in fp32), so 540 MiB
-per image at 512 px; with the VAE (335 MB) and text tower (1.4 GB) in fp32 beside it, batch 128 needs
-~69 GiB and batch 64 ~35.5 GiB (90% of a 40 GB A100's usable memory). jobs/datasets/laion400m.yaml runs
-32 (~18.6 GiB, 47%); the GPU test list measures the real peak at 512 px (tests/encode/test_gpu_encode.py).
+SD2-base's VAE, computed as encode holds it: 20.0 MiB per image at 128 px under bf16 autocast, so 320 MiB
+per image at 512 px; with the VAE (335 MB) and text tower (1.4 GB) in fp32 beside it, batch 88 needs
+29.1 GiB and batch 128 41.6 GiB. (An earlier count, 33.8 / 540 MiB, ran a VAE whose weights required grad:
+autocast then caches a bf16 copy of each weight for the whole region, which encode's frozen VAE never
+holds, and the scaling by pixels multiplied those copies too. The autocast cache is off here, so the count
+does not depend on the caller's requires_grad.) `encoder.batch_size: 0` (what jobs/datasets/laion400m.yaml
+ships) sizes the batch on the GPU it runs on (`auto_batch`, BATCH_HEADROOM of its memory): 88 on a 40 GB
+A100, 184 on an 80 GB H100 at 512 px. The GPU test list measures the real peak at the 40 GB A100's batch
+(tests/encode/test_gpu_encode.py).
 """
 
 from __future__ import annotations
@@ -25,6 +30,10 @@ from torch.utils._pytree import tree_flatten
 
 A100_40GB_USABLE = 39.4 * 2**30  # what torch reports as total on an A100-SXM4-40GB (40 GiB less reserved)
 BATCH_HEADROOM = 0.75  # of the usable memory: allocator fragmentation, cuDNN workspaces, the writer's queue
+# Past a few hundred images a batch no longer runs the VAE faster, and each partition's short last batch
+# and the batches queued ahead (encode/pipeline.py) grow with it.
+AUTO_BATCH_CAP = 256
+CPU_AUTO_BATCH = 32  # `encoder.batch_size: 0` off a GPU: host memory is not what bounds it
 
 
 class PeakTensorBytes(TorchDispatchMode):
@@ -59,12 +68,13 @@ def peak_tensor_bytes(fn: Callable[[], Any]) -> int:
     return tracker.peak
 
 
-def vae_encode_peak_per_image(vae: Any, resolution: int, at: int = 128, batch: int = 2) -> float:
-    """Bytes of activations per image for the VAE encoder at `resolution`, from a run at `at` px."""
+def vae_encode_peak_per_image(vae: Any, resolution: float, at: int = 128, batch: int = 2) -> float:
+    """Bytes of activations per image for the VAE encoder at `resolution` (the side of a square with the
+    image's pixel count), from a run at `at` px."""
     pixels = torch.randn(batch, 3, at, at)
 
     def encode() -> None:
-        with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
             vae.encode(pixels).latent_dist.mean  # noqa: B018  (the encoder's output, as encode reads it)
 
     return peak_tensor_bytes(encode) / batch * (resolution / at) ** 2
@@ -77,6 +87,13 @@ def weights_bytes(*modules: torch.nn.Module) -> int:
 def largest_batch(per_image: float, fixed: float, usable: float = A100_40GB_USABLE) -> int:
     """The largest batch whose computed peak stays within BATCH_HEADROOM of `usable`."""
     return int((usable * BATCH_HEADROOM - fixed) // per_image)
+
+
+def auto_batch(per_image: float, fixed: float, usable: float) -> int:
+    """`encoder.batch_size: 0` on a GPU: the largest batch within BATCH_HEADROOM of `usable`, rounded down
+    to a multiple of 8 (whole tensor-core tiles) and at most AUTO_BATCH_CAP; at least 1."""
+    fits = largest_batch(per_image, fixed, usable)
+    return max(1, min(AUTO_BATCH_CAP, fits - fits % 8 if fits >= 8 else fits))
 
 
 def text_tower_params(text: dict[str, int]) -> int:
