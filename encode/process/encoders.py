@@ -113,7 +113,7 @@ class Encoders:
     # How many captions / images went through each model in this process (tests and metrics read these).
     texts_encoded: int = 0
     images_encoded: int = 0
-    batch_size: int = 32  # what `encoder.batch_size: 0` resolved to (load_encoders); else the config's
+    batch_size: int = CPU_AUTO_BATCH  # what `encoder.batch_size: 0` resolved to (load_encoders)
 
     def shapes(self, resolution: int, store: str = "embeddings") -> contract.Shapes:
         return contract.Shapes(self.preset.latent_shape(resolution), self.preset.text_shape(), store)

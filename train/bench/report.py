@@ -342,10 +342,17 @@ def render_markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_outputs(result: dict[str, Any], out_dir: str | Path) -> dict[str, Path]:
+def write_json(result: dict[str, Any], out_dir: str | Path) -> Path:
+    """`<out_dir>/bench.json`, replaced in one rename: a reader (the GPU check, make estimate) never sees
+    half a file, whether this is the final result or the sections so far (train/bench/run.py)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    paths = {"json": out / JSON_NAME, "md": out / MARKDOWN_NAME}
-    paths["json"].write_text(json.dumps(result, indent=2) + "\n")
+    tmp = out / f".{JSON_NAME}.partial"
+    tmp.write_text(json.dumps(result, indent=2) + "\n")
+    return tmp.replace(out / JSON_NAME)
+
+
+def write_outputs(result: dict[str, Any], out_dir: str | Path) -> dict[str, Path]:
+    paths = {"json": write_json(result, out_dir), "md": Path(out_dir) / MARKDOWN_NAME}
     paths["md"].write_text(render_markdown(result))
     return paths

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import json
 import os
 import tempfile
 import time
@@ -34,7 +33,7 @@ from train.bench.data import (
     shard_files,
     write_synthetic_dataset,
 )
-from train.bench.report import JSON_NAME, findings
+from train.bench.report import findings, write_json
 from train.bench.scale import bench_collectives
 from train.bench.scale_s3 import S3_RUN_BATCH, bench_s3_requests
 from train.bench.step import bench_train_steps, count_flops, mfu
@@ -294,12 +293,7 @@ class PartialResult:
             yield
 
     def write(self, running: str) -> None:
-        out = Path(self.out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        body = self.result | {"running": running, "seconds_by_section": self.timings}
-        tmp = out / f".{JSON_NAME}.partial"
-        tmp.write_text(json.dumps(body, indent=2) + "\n")
-        tmp.replace(out / JSON_NAME)  # a reader never sees half a file
+        write_json(self.result | {"running": running, "seconds_by_section": self.timings}, self.out_dir)
 
 
 @contextmanager
