@@ -158,3 +158,6 @@ def test_the_bench_overrides_fit_bench_full() -> None:
     cfg = load_bench_config("full", list(gpu_check.BENCH_ARGS))
     assert cfg.step.resolutions == [256, 512] and cfg.encode.enabled and cfg.trainer.enabled
     assert not (cfg.scale.s3 or cfg.scale.collectives)
+    # no cold compile of SD2 (over 200 s a shape on an H200): the recipe, its trainer run and the VAE eager
+    assert cfg.recipe_overrides == ["compile=false"] and not cfg.encode.vae_compile
+    assert not (cfg.anatomy.enabled or cfg.buckets.enabled)

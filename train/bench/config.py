@@ -130,6 +130,9 @@ class BenchConfig:
     name: str = "bench"
     preset: str = "tiny"  # shared/presets.py: the shapes measured
     recipe: str = "tiny"  # jobs/train config whose model recipe, optimizer, EMA and logging are timed
+    # train overrides applied to the recipe in every section, e.g. [compile=false] where a bounded run cannot
+    # afford SD2's cold compile (over 200 s per shape on an H200); the JSON and the table name them
+    recipe_overrides: list[str] = field(default_factory=list)
     device: Literal["auto", "cpu", "gpu"] = "auto"
     precision: Literal["auto", "fp32", "amp_bf16"] = "auto"  # auto: amp_bf16 on GPU, fp32 on CPU (as train)
     # Peak TFLOP/s of one device for MFU; None: the GPU's bf16 dense peak from shared/estimate's GPU_TABLE

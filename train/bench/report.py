@@ -34,6 +34,11 @@ def train_findings(train: dict[str, Any]) -> list[str]:
             )
         if t["mfu"] is not None:
             notes.append(f"{res} px: offline step MFU {_pct(t['mfu'])} ({t['tflops_per_s']:.1f} TFLOP/s)")
+        if "first_step_s" in t:  # a compiled recipe compiles the U-Net's forward and backward in it
+            notes.append(
+                f"{res} px: first step {t['first_step_s']:.1f} s (compile and cuDNN autotuning included), "
+                f"then {t['step']['median_s']:.3f} s a step"
+            )
         if t["prepare_share_of_step"] > HOST_WORK_SHARE:
             notes.append(
                 f"{res} px: Objective.prepare (per-sample noise draws on the host) takes "
@@ -332,7 +337,9 @@ def _scale_table(result: dict[str, Any]) -> list[str]:
 
 def render_markdown(result: dict[str, Any]) -> str:
     """The short tables: the step per resolution, then loader / trainer / encode, then the findings."""
-    lines = [f"# Bench: {result['preset']} on {result['device']} ({result['precision']})", ""]
+    overrides = result.get("recipe_overrides") or []
+    named = f", recipe {result.get('recipe')} with {' '.join(overrides)}" if overrides else ""
+    lines = [f"# Bench: {result['preset']} on {result['device']} ({result['precision']}{named})", ""]
     lines += [*_train_table(result), ""]
     if pipeline := _pipeline_table(result):
         lines += [*pipeline, ""]

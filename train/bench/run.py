@@ -36,7 +36,7 @@ from train.bench.data import (
 from train.bench.report import findings, write_json
 from train.bench.scale import bench_collectives
 from train.bench.scale_s3 import S3_RUN_BATCH, bench_s3_requests
-from train.bench.step import bench_train_steps, count_flops, mfu
+from train.bench.step import bench_train_steps, count_flops, mfu, progress
 from train.bench.text_store import bench_text_store
 from train.bench.trainer_run import bench_trainer
 from train.config import TrainConfig
@@ -58,6 +58,7 @@ def load_recipe(
         "fsdp=false",
         f"device={setup.kind}",
         f"precision={setup.precision}",
+        *cfg.recipe_overrides,
         *(extra or []),
     ]
     return load_config(TrainConfig, cfg.recipe, overrides, kind="train")
@@ -81,11 +82,14 @@ def _free_memory() -> None:
 
 @contextmanager
 def _timed_section(timings: dict[str, float], name: str) -> Iterator[None]:
-    start = time.perf_counter()
+    start, ended = time.perf_counter(), "stopped after"
+    progress(f"{name} ...")
     try:
         yield
+        ended = "done in"
     finally:
         timings[name] = time.perf_counter() - start
+        progress(f"{name}: {ended} {timings[name]:.1f} s")
         _free_memory()
 
 
@@ -240,6 +244,7 @@ def _run_sections(cfg: BenchConfig) -> dict[str, Any]:
             "channels_last": setup.channels_last,
             "preset": cfg.preset,
             "recipe": cfg.recipe,
+            "recipe_overrides": cfg.recipe_overrides,
             "peak_tflops": peak,
             "peak_source": peak_source,
             "flops": {str(r): f.to_json() for r, f in flops.items()},

@@ -18,6 +18,7 @@ counter misses attention, because PyTorch's CPU flash-attention kernel has no en
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -45,6 +46,11 @@ SEED_BOUND = 1 << 62  # sample seeds are non-negative 63-bit integers (train/dat
 
 
 # ------------------------------------------------------------------------------------------------ timing
+def progress(message: str) -> None:
+    """A line on stderr as the bench goes: one cold compile of SD2's U-Net took over 200 s on an H200."""
+    print(f"[bench] {message}", file=sys.stderr, flush=True)
+
+
 @dataclass(frozen=True)
 class Timing:
     """Seconds per call of the timed repeats (warm-up calls excluded)."""
@@ -61,16 +67,7 @@ class Timing:
 
 def time_calls(fn: Callable[[], Any], warmup: int, repeats: int, setup: DeviceSetup) -> Timing:
     """Run `fn` warmup times untimed, then `repeats` times timed (each waits for the device)."""
-    for _ in range(warmup):
-        fn()
-    setup.sync()
-    seconds = []
-    for _ in range(max(repeats, 1)):
-        start = time.perf_counter()
-        fn()
-        setup.sync()
-        seconds.append(time.perf_counter() - start)
-    return Timing(seconds)
+    return time_interleaved({"fn": fn}, warmup, repeats, setup)["fn"]
 
 
 # ------------------------------------------------------------------------------------------------ models
@@ -346,7 +343,10 @@ class StepBench:
             calls["online"] = lambda: online_train_step(model, optimizer, encoders, inputs, setup)
         if setup.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(setup.device)
-        timings = time_interleaved(calls, plan.warmup, plan.repeats, setup)
+        progress(f"train {resolution} px, batch {batch_size}: first step (compiles, autotunes) ...")
+        first = time_interleaved(calls, 0, 1, setup)  # compile=true: the U-Net compiles in its first call
+        progress(f"train {resolution} px: first step {first['offline'].median:.1f} s; timing {plan.repeats}")
+        timings = time_interleaved(calls, max(plan.warmup - 1, 0), plan.repeats, setup)
         prepare = time_calls(lambda: model.objective.prepare(batch), 1, plan.repeats, setup)
         offline = timings["offline"]
         rate = batch_size / offline.median
@@ -354,6 +354,7 @@ class StepBench:
             "images_per_s_per_device": rate,
             "batch_size": batch_size,
             "step": offline.to_json(),
+            "first_step_s": first["offline"].median,  # compile (when on) and cuDNN autotuning included
             "tflops_per_s": flops.unet_train_step * rate / TERA,
             "mfu": mfu(flops.unet_train_step, rate, peak),
             # Objective.prepare: the draws from the batch's seeds and the noising, all on the device

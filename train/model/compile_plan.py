@@ -24,6 +24,14 @@ def compile_plan_line(cfg: TrainConfig, device: str = "gpu") -> str:
     cache = cfg.compile_cache_dir or "inductor's default per-node /tmp folder (set compile_cache_dir)"
     return (
         f"compile ({cfg.compile_backend}): the first step also compiles the U-Net's forward and backward, "
-        f"{graphs}; its extra time is `make bench BENCH=full`'s anatomy.compiled.compile_s (not measured at "
-        f"SD2 shapes on a GPU yet); restarts and other ranks reuse the kernels cached in {cache}"
+        f"{graphs}; {COLD_COMPILE_SEEN}; `make bench BENCH=full` prints its first_step_s per resolution; "
+        f"restarts and other ranks reuse the kernels cached in {cache}"
     )
+
+
+# Issue 30's second GPU run: the whole SD2 U-Net as one graph at 256 px, cold cache. About 100 s passed on
+# one core (tracing, lowering) before the first Triton kernel was built; 1,046 by 205 s, load <= 5 of 16.
+COLD_COMPILE_SEEN = (
+    "a cold compile of SD2's U-Net at one shape took over 205 s on an H200 (torch 2.11, 16 cores; not "
+    "finished then), per resolution or bucket"
+)

@@ -16,10 +16,11 @@ from typer.testing import CliRunner
 from encode.pipeline import MainThreadTimes
 from shared.config import ConfigError
 from shared.estimate import estimate, load_estimate_config, read_bench
+from shared.runtime.device import resolve_device_setup
 from train.bench.cli import bench_command
 from train.bench.config import load_bench_config
 from train.bench.report import JSON_NAME, MARKDOWN_NAME, write_outputs
-from train.bench.run import run_bench
+from train.bench.run import load_recipe, run_bench
 from train.bench.step import count_flops
 
 # Smallest settings that still run every section once: one timed step per variant, one loader pass, two
@@ -88,6 +89,7 @@ def test_bench_writes_json_with_every_section(bench_run: tuple[dict[str, Any], P
         assert positive(train["images_per_s_per_device"]), res
         assert positive(train["online"]["images_per_s_per_device"]) and positive(train["offline_speedup"])
         assert train["mfu"] is None  # CPU without peak_tflops: MFU is n/a, never a guess
+        assert positive(train["first_step_s"])  # where a compiled recipe pays its compile (issue 30 item 3)
         assert train["ideal_offline_speedup"] == pytest.approx(result["flops"][res]["ideal_offline_speedup"])
         text_store = result["text_store"][res]  # tokens + tower vs stored embeddings, in the same run
         assert positive(text_store["ratio"]) and text_store["flop_ideal_ratio"] > 1
@@ -200,10 +202,12 @@ def test_cli_reports_config_errors() -> None:
 
 
 def test_a_bench_stopped_in_a_later_section_leaves_the_sections_before_it(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """bench.json is rewritten after every section (`complete: false` until the end): the bounded GPU
-    check stops a bench at its time limit, and a slow compile must not cost the step numbers."""
+    check stops a bench at its time limit, and a slow compile must not cost the step numbers. Each section
+    and each resolution's first step say on stderr that they started and what they took (a cold compile of
+    SD2's U-Net ran for minutes with nothing printed); recipe_overrides reach the recipe and are named."""
     import train.bench.run
 
     def stopped(*args: object, **kwargs: object) -> None:
@@ -212,6 +216,7 @@ def test_a_bench_stopped_in_a_later_section_leaves_the_sections_before_it(
     monkeypatch.setattr(train.bench.run, "bench_encode_section", stopped)
     only = ["step.resolutions=[64]", "step.online=false", "loader.enabled=false", "trainer.enabled=false"]
     only += ["anatomy.enabled=false", "buckets.enabled=false", "step.text_store=false"]
+    only += ["recipe_overrides=[compile=false,optimizer.lr=0.5]"]
     out = tmp_path / "out"
     cfg = load_bench_config("quick", [*MINIMAL, *only, f"out_dir={out}", f"work_dir={tmp_path / 'work'}"])
     with pytest.raises(KeyboardInterrupt):
@@ -221,6 +226,13 @@ def test_a_bench_stopped_in_a_later_section_leaves_the_sections_before_it(
     assert positive(partial["train"]["64"]["images_per_s_per_device"])
     assert partial["running"] == "encode" and set(partial["seconds_by_section"]) == {"flops", "train"}
     assert sorted(p.name for p in out.iterdir()) == [JSON_NAME]  # no temporary file left beside it
+    assert partial["recipe_overrides"] == ["compile=false", "optimizer.lr=0.5"]
+    cpu = resolve_device_setup("cpu", "fp32", channels_last=False)
+    assert load_recipe(cfg, cpu, tmp_path).optimizer.lr == 0.5
+    printed = capsys.readouterr().err
+    for line in ("[bench] train ...", "[bench] train 64 px, batch 1: first step", "[bench] train: done in"):
+        assert line in printed, printed
+    assert "[bench] encode ...\n[bench] encode: stopped after" in printed, printed
 
 
 @pytest.mark.gpu

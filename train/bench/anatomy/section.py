@@ -17,7 +17,7 @@ from train.bench.anatomy.compiled import compile_anatomy
 from train.bench.anatomy.memory import activation_bytes_per_image, batch_per_gpu
 from train.bench.anatomy.ops import FullStep, cpu_autocast_like_cuda, dispatch_tally, profile_steps
 from train.bench.config import BenchConfig
-from train.bench.step import FlopCounts, StepBench, mfu, synthetic_latent_batch, time_calls
+from train.bench.step import FlopCounts, StepBench, mfu, progress, synthetic_latent_batch, time_calls
 from train.config import TrainConfig
 from train.model.compile_plan import use_compile
 
@@ -128,6 +128,7 @@ def bench_variants(
         timed: dict[str, Any] = {}
         for name, variant in runs.items():
             torch._dynamo.reset()
+            progress(f"anatomy {res} px: {name} (a compiled variant compiles first) ...")
             step = full_step(variant, setup, res, batch_size, cfg.seed)
             seconds = time_calls(step.run, WARMUP_STEPS, plan.variant_repeats, setup).median
             rate = batch_size / seconds
