@@ -65,6 +65,11 @@ class TrainConfig:
     # train/model/assemble.py). null: on for GPU runs, off on CPU (where inductor spends minutes compiling
     # C++ for no gain; logged); true / false: as asked, CPU included.
     compile: bool | None = False
+    # What one graph is: unet (the whole U-Net; under per-block FSDP dynamo still breaks it at every FSDP
+    # unit) or blocks (each FSDP unit, i.e. each ResNet and transformer block, compiled on its own, the glue
+    # between them eager: "regional" compile). Blocks of one shape share their compiled code, so a cold
+    # compile costs far less; without FSDP it gives the graphs per-block FSDP gives. Under FSDP unet is used.
+    compile_scope: Literal["unet", "blocks"] = "unet"
     # Where inductor keeps its compiled kernels (TORCHINDUCTOR_CACHE_DIR, and Triton's under it), so a
     # restart, a resume or another rank of the same host or shared filesystem reuses them instead of
     # compiling again; "": inductor's default, a per-user folder under /tmp of each node.

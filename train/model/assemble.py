@@ -16,6 +16,7 @@ Two switches shape it beyond the preset:
   Under per-block FSDP dynamo breaks the graph at each FSDP unit, so each block is its own graph (with its
   GroupNorms, SiLUs and casts fused inside) and the glue between them a few more (train/model/kernels.py).
   `compile_cache_dir` names where inductor keeps what it compiled, so restarts and ranks reuse it.
+  `compile_scope: blocks` compiles each FSDP unit on its own instead (without FSDP; `compile_unet`).
 - `model.low_precision_norms`: GroupNorm / LayerNorm in the autocast dtype (shared/norms.py), swapped in
   place before compiling; a no-op outside autocast.
 """
@@ -99,6 +100,31 @@ def use_compile_cache(folder: str) -> str:
     return str(path)
 
 
+def compile_unet(unet: torch.nn.Module, cfg: TrainConfig) -> None:
+    """`nn.Module.compile` in place, on the U-Net or (compile_scope=blocks, without FSDP) on each FSDP unit.
+
+    Static shapes: a run feeds one shape, and under per-block FSDP each block class meets several channel
+    counts; dynamo's automatic-dynamic recompile then makes C symbolic, and torch 2.7's GroupNorm backward
+    decomposition fails on it (divmod of a SymInt; seen with aot_eager on 1 and 2 gloo ranks,
+    tests/train/checkpoints/test_gpu_path.py). One static graph per shape instead."""
+    if cfg.compile_scope == "unet" or cfg.fsdp:
+        if cfg.compile_scope == "blocks":
+            log.info("compile_scope=blocks: per-block FSDP already makes each block its own graph")
+        unet.compile(backend=cfg.compile_backend, dynamic=False)
+        return
+    units = [m for m in unet.modules() if is_fsdp_unit(m)]
+    for unit in units:
+        unit.compile(backend=cfg.compile_backend, dynamic=False)
+    # Every unit's compiled call is one code object (nn.Module._call_impl) whose cache holds an entry per
+    # block shape and per transformer block (their guards check the attention processor's identity): SD2's
+    # 38 units make 31, over dynamo's default limit of 8, past which blocks would silently run eagerly.
+    dynamo = torch._dynamo.config
+    dynamo.recompile_limit = max(dynamo.recompile_limit, len(units))
+    dynamo.accumulated_recompile_limit = max(dynamo.accumulated_recompile_limit, len(units) + 1)
+    log.info("compile_scope=blocks: %d blocks compiled one by one (recompile_limit %d)", len(units),
+             dynamo.recompile_limit)  # fmt: skip
+
+
 def assemble_model(
     cfg: TrainConfig,
     device: str,
@@ -116,11 +142,7 @@ def assemble_model(
         log.info("compile off on CPU (compile: null); compile=true compiles here too")
     if use_compile(cfg, device):
         use_compile_cache(cfg.compile_cache_dir)
-        # Static shapes: a run feeds one shape, and under per-block FSDP each block class meets several
-        # channel counts; dynamo's automatic-dynamic recompile then makes C symbolic, and torch 2.7's
-        # GroupNorm backward decomposition fails on it (divmod of a SymInt; seen with aot_eager on 1 and 2
-        # gloo ranks, tests/train/checkpoints/test_gpu_path.py). One static graph per shape instead.
-        unet.compile(backend=cfg.compile_backend, dynamic=False)
+        compile_unet(unet, cfg)
     # Composer 0.32 wraps each child of the ComposerModel as its own FSDP root and looks the wrap rule up
     # on that child (the U-Net), not on the ComposerModel.
     unet.fsdp_wrap_fn = is_fsdp_unit

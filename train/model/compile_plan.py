@@ -21,6 +21,8 @@ def compile_plan_line(cfg: TrainConfig, device: str = "gpu") -> str:
     graphs = "one graph per FSDP unit (each ResNet / transformer block) plus the glue between them"
     if not cfg.fsdp:
         graphs = "the whole U-Net as one graph"
+        if cfg.compile_scope == "blocks":
+            graphs = "each ResNet / transformer block as its own graph, one per shape (the glue eager)"
     cache = cfg.compile_cache_dir or "inductor's default per-node /tmp folder (set compile_cache_dir)"
     return (
         f"compile ({cfg.compile_backend}): the first step also compiles the U-Net's forward and backward, "

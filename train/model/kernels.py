@@ -42,9 +42,14 @@ def unwrapped(module: torch.nn.Module) -> torch.nn.Module:
 
 
 def is_compiled(unet: torch.nn.Module) -> bool:
-    """Whether `nn.Module.compile` compiled this U-Net, before or after FSDP wrapped it (the wrapper's own
-    `_compiled_call_impl` is None: FSDP wraps the compiled module, it does not copy the attribute)."""
-    return getattr(unwrapped(unet), "_compiled_call_impl", None) is not None
+    """Whether `nn.Module.compile` compiled this U-Net (or, compile_scope=blocks, its FSDP units), before or
+    after FSDP wrapped it (the wrapper's own `_compiled_call_impl` is None: FSDP wraps the compiled module,
+    it does not copy the attribute)."""
+    inner = unwrapped(unet)
+    if getattr(inner, "_compiled_call_impl", None) is not None:
+        return True
+    units = [m for m in inner.modules() if is_fsdp_unit(m)]
+    return bool(units) and all(getattr(m, "_compiled_call_impl", None) is not None for m in units)
 
 
 def unit_instances(unet: torch.nn.Module) -> collections.Counter[str]:

@@ -281,6 +281,7 @@ def test_bench_takes_the_step_apart(bench_run: tuple[dict[str, Any], Path]) -> N
     for res in ("64", "128"):
         runs = anatomy["variants"][res]
         assert runs["recipe"]["gain"] == 1.0 and positive(runs["low_precision_norms"]["gain"])
+        assert all(positive(run["first_step_s"]) for run in runs.values())  # a compiled one's compile
         # model.low_precision_norms takes the norms out of fp32 under autocast: nothing fp32 is left
         assert runs["recipe"]["fp32_bytes_under_autocast"] > 0
         assert runs["low_precision_norms"]["fp32_bytes_under_autocast"] == 0

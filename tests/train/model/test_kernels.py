@@ -80,3 +80,28 @@ def test_compiled_unet_under_fsdp_makes_one_graph_per_unit_within_the_limit(one_
     # 13 graphs on torch 2.7 (the bound itself), 11 on torch 2.11 (fewer graph breaks; docs/gpu-tests.md);
     # what matters: every unit compiled (fail_on_recompile_limit_hit above) within the bound
     assert 0 < counted.frame_count <= max_graphs_under_fsdp(unet)
+
+
+def test_sd2_blocks_compiled_one_by_one_all_compile_within_the_raised_limit() -> None:
+    """compile_scope=blocks on SD2's block structure: all 38 blocks share one code object's cache
+    (nn.Module._call_impl), 31 entries at dynamo's default limit of 8; compile_unet raises the limit, so no
+    block falls back to eager (a hard error here), and identical blocks share a graph."""
+    from diffusers import UNet2DConditionModel
+
+    from tests.train.conftest import tiny_config
+    from train.model.assemble import compile_unet
+
+    narrow = dict(SD2_UNET, block_out_channels=[40, 80, 160, 160], norm_num_groups=8, cross_attention_dim=32)
+    unet = UNet2DConditionModel(**narrow)
+    cfg = tiny_config("unused", "unused", "unused", "compile=true", "compile_scope=blocks", "fsdp=false")
+    counted = CompileCounter()
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(recompile_limit=8, fail_on_recompile_limit_hit=True):
+        compile_unet(unet, cfg)
+        for unit in (m for m in unet.modules() if is_fsdp_unit(m)):  # count instead of generating code
+            unit._compiled_call_impl = torch.compile(unit._call_impl, backend=counted, dynamic=False)
+        with torch.no_grad():
+            unet(torch.randn(1, 4, 32, 32), torch.tensor([10]), torch.randn(1, 77, 32))
+        assert torch._dynamo.config.recompile_limit == 38
+    assert is_compiled(unet) and unet._compiled_call_impl is None
+    assert counted.frame_count == 31  # 22 ResNet blocks in 15 shapes + 16 transformer blocks, one each

@@ -4,7 +4,8 @@ the graphs inductor would compile, run with ATen's kernels).
 - the loss equals diffusers' own recipe (DDPMScheduler.add_noise + MSE on the noise, as
   examples/text_to_image/train_text_to_image.py computes it) on the same draws; with low-precision norms
   exactly in fp32 (the swap is the parent's forward there), and within bf16 rounding under autocast;
-- the compiled U-Net with the norms swapped: 0 graph breaks, 0 recompiles after the first step;
+- the compiled U-Net with the norms swapped, whole or block by block (compile_scope): 0 graph breaks, 0
+  recompiles after the first step, the eager step's gradients;
 - the step with both switches reads nothing back to the host (the sync-count test's check).
 """
 
@@ -28,6 +29,7 @@ from train.loop.trainer import build_optimizer
 from train.model.assemble import INDUCTOR_CACHE_ENV, TRITON_CACHE_ENV, assemble_model, use_compile_cache
 from train.model.compile_plan import compile_plan_line, use_compile
 from train.model.diffusion import SampleDraws, scheduler_kwargs
+from train.model.kernels import is_compiled, unit_instances
 
 # bf16 keeps 8 mantissa bits: a loss of ~1 computed through a bf16 U-Net differs from fp32 by ~1e-2
 BF16_LOSS_RTOL = 2e-2
@@ -77,27 +79,41 @@ def test_loss_matches_diffusers_recipe_with_low_precision_norms() -> None:
     assert torch.allclose(amp_low, reference, rtol=BF16_LOSS_RTOL), (amp_low, reference)
 
 
-@pytest.mark.parametrize(
-    "switches", [("model.low_precision_norms=true", "compile=true", "compile_backend=aot_eager")]
-)
-def test_compiled_step_with_the_switches_has_no_breaks_recompiles_or_readbacks(
-    switches: tuple[str, ...],
-) -> None:
+COMPILED = ("model.low_precision_norms=true", "compile=true", "compile_backend=aot_eager")
+
+
+@pytest.mark.parametrize("scope", ["unet", "blocks"])
+def test_compiled_step_with_the_switches_has_no_breaks_recompiles_or_readbacks(scope: str) -> None:
+    """Both compile scopes: no graph break, nothing compiled after the first step, no read-back, and the
+    step's loss and gradients are the eager step's (aot_eager runs the same ATen ops). Blocks: every block
+    is its own graph (transformer blocks recompile per instance in the first step, by design)."""
+    switches = (*COMPILED, f"compile_scope={scope}")
     model, batch = model_and_batch(*switches)
+    eager, _ = model_and_batch(*COMPILED[:1])
     cfg = tiny_config("unused", "unused", "unused", *switches)
     optimizer = build_optimizer(cfg, model)
     setup = resolve_device_setup("cpu", "fp32", False)
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    train_step(model, optimizer, batch, setup)  # compiles forward and backward
+    for m in (model, eager):
+        our_loss(m, batch).backward()  # the first compiles forward and backward
+    first = {k: v.grad.clone() for k, v in model.named_parameters()}
+    assert all(torch.allclose(first[k], v.grad, rtol=1e-4, atol=1e-6) for k, v in eager.named_parameters())
+    assert is_compiled(model.unet) and (scope == "blocks") == (model.unet._compiled_call_impl is None)
+    assert list(model.state_dict()) == list(eager.state_dict())  # checkpoints, EMA, export: same names
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    recompiles = sum(torch._dynamo.utils.counters["recompiles"].values())
     with count_readbacks() as counts:
         for _ in range(2):
             train_step(model, optimizer, batch, setup)
     assert counts.by_step == {}
     assert graphs >= 1 and torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs  # no recompiles
     assert not torch._dynamo.utils.counters["graph_break"]
-    assert not torch._dynamo.utils.counters["recompiles"]
+    assert sum(torch._dynamo.utils.counters["recompiles"].values()) == recompiles
+    if scope == "unet":
+        assert recompiles == 0 and graphs == 1  # the whole tiny U-Net, forward and backward in one graph
+    else:
+        assert graphs == unit_count(model.unet) - 1  # 12 blocks; ResNet blocks of one shape share one
 
 
 def test_sd2_recipes_compile_on_gpu_only_and_the_plan_says_what_it_costs(
@@ -111,6 +127,15 @@ def test_sd2_recipes_compile_on_gpu_only_and_the_plan_says_what_it_costs(
     assert use_compile(cfg, "gpu") and not use_compile(cfg, "cpu")
     line = compile_plan_line(cfg)
     assert "first step also compiles" in line and "per FSDP unit" in line and cfg.compile_cache_dir in line
+    single = load_config(TrainConfig, "sd2-base-256", [f"save_folder={tmp_path}", "fsdp=false"], kind="train")
+    assert "whole U-Net as one graph" in compile_plan_line(single)
+    regional = load_config(
+        TrainConfig,
+        "sd2-base-256",
+        [f"save_folder={tmp_path}", "fsdp=false", "compile_scope=blocks"],
+        kind="train",
+    )
+    assert "block as its own graph" in compile_plan_line(regional)
     tiny = tiny_config("unused", "unused", "unused")
     assert not use_compile(tiny, "gpu") and compile_plan_line(tiny) == ""
     monkeypatch.delenv(INDUCTOR_CACHE_ENV, raising=False)
@@ -118,3 +143,7 @@ def test_sd2_recipes_compile_on_gpu_only_and_the_plan_says_what_it_costs(
     folder = use_compile_cache(str(tmp_path / "cache"))
     assert os.environ[INDUCTOR_CACHE_ENV] == folder and Path(folder).is_dir()
     assert os.environ[TRITON_CACHE_ENV] == str(Path(folder) / "triton")
+
+
+def unit_count(unet: torch.nn.Module) -> int:
+    return sum(unit_instances(unet).values())

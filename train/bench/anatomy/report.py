@@ -63,7 +63,8 @@ def variant_findings(variants: dict[str, Any], baseline: str) -> list[str]:
             proxy = "" if fp32 is None else f", {fp32 / 1e6:,.1f} MB fp32 under autocast"
             launches = f", {run['top_level_aten_ops_per_step']:,.0f} top-level ops"
             rate = f"{run['images_per_s_per_device']:,.1f} img/s"
-            parts.append(f"{name} {run['gain']:.2f}x ({rate}{mfu}{launches}{proxy})")
+            first = f", first step {run['first_step_s']:.1f} s" if "first_step_s" in run else ""
+            parts.append(f"{name} {run['gain']:.2f}x ({rate}{mfu}{launches}{proxy}{first})")
         line = f"{res} px, full step with clipping and EMA, gain over {baseline}: {'; '.join(parts)}"
         best = max((run["mfu"] or 0.0) for run in runs.values())
         if res in MFU_TARGETS and any(run["mfu"] is not None for run in runs.values()):

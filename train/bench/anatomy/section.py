@@ -130,10 +130,12 @@ def bench_variants(
             torch._dynamo.reset()
             progress(f"anatomy {res} px: {name} (a compiled variant compiles first) ...")
             step = full_step(variant, setup, res, batch_size, cfg.seed)
-            seconds = time_calls(step.run, WARMUP_STEPS, plan.variant_repeats, setup).median
+            first = time_calls(step.run, 0, 1, setup).median  # a compiled variant compiles in it
+            seconds = time_calls(step.run, WARMUP_STEPS - 1, plan.variant_repeats, setup).median
             rate = batch_size / seconds
             timed[name] = {
                 "overrides": list(plan.variants.get(name, [])),
+                "first_step_s": first,
                 "step_s": seconds,
                 "images_per_s_per_device": rate,
                 "mfu": mfu(flops[res].unet_train_step, rate, peak),
