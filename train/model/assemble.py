@@ -53,6 +53,11 @@ def is_fsdp_unit(module: torch.nn.Module) -> bool:
     return isinstance(module, (Transformer2DModel, ResnetBlock2D))
 
 
+def fsdp_units(unet: torch.nn.Module) -> list[torch.nn.Module]:
+    """The U-Net's FSDP units in module order (`is_fsdp_unit`), also compile_scope=blocks' regions."""
+    return [m for m in unet.modules() if is_fsdp_unit(m)]
+
+
 def use_channels_last(cfg: TrainConfig, device: str) -> bool:
     """`channels_last` as asked, or (null) on GPU ("gpu", Composer's device name) only."""
     if cfg.channels_last is None:
@@ -112,12 +117,13 @@ def compile_unet(unet: torch.nn.Module, cfg: TrainConfig) -> None:
             log.info("compile_scope=blocks: per-block FSDP already makes each block its own graph")
         unet.compile(backend=cfg.compile_backend, dynamic=False)
         return
-    units = [m for m in unet.modules() if is_fsdp_unit(m)]
+    units = fsdp_units(unet)
     for unit in units:
         unit.compile(backend=cfg.compile_backend, dynamic=False)
     # Every unit's compiled call is one code object (nn.Module._call_impl) whose cache holds an entry per
-    # block shape and per transformer block (their guards check the attention processor's identity): SD2's
-    # 38 units make 31, over dynamo's default limit of 8, past which blocks would silently run eagerly.
+    # block shape (and input strides) and per transformer block (their guards check the attention
+    # processor's identity): SD2's 38 units make 31 (34 in NHWC), over dynamo's default limit of 8, past
+    # which blocks would silently run eagerly.
     dynamo = torch._dynamo.config
     dynamo.recompile_limit = max(dynamo.recompile_limit, len(units))
     dynamo.accumulated_recompile_limit = max(dynamo.accumulated_recompile_limit, len(units) + 1)

@@ -23,7 +23,7 @@ import logging
 
 import torch
 
-from train.model.assemble import is_fsdp_unit
+from train.model.assemble import fsdp_units
 
 log = logging.getLogger(__name__)
 
@@ -48,13 +48,13 @@ def is_compiled(unet: torch.nn.Module) -> bool:
     inner = unwrapped(unet)
     if getattr(inner, "_compiled_call_impl", None) is not None:
         return True
-    units = [m for m in inner.modules() if is_fsdp_unit(m)]
+    units = fsdp_units(inner)
     return bool(units) and all(getattr(m, "_compiled_call_impl", None) is not None for m in units)
 
 
 def unit_instances(unet: torch.nn.Module) -> collections.Counter[str]:
     """FSDP units per class: each instance is one cache entry of its class's compiled forward."""
-    return collections.Counter(type(m).__name__ for m in unet.modules() if is_fsdp_unit(m))
+    return collections.Counter(type(m).__name__ for m in fsdp_units(unet))
 
 
 def max_graphs_under_fsdp(unet: torch.nn.Module) -> int:

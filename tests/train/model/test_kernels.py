@@ -89,7 +89,7 @@ def test_sd2_blocks_compiled_one_by_one_all_compile_within_the_raised_limit() ->
     from diffusers import UNet2DConditionModel
 
     from tests.train.conftest import tiny_config
-    from train.model.assemble import compile_unet
+    from train.model.assemble import compile_unet, fsdp_units
 
     narrow = dict(SD2_UNET, block_out_channels=[40, 80, 160, 160], norm_num_groups=8, cross_attention_dim=32)
     unet = UNet2DConditionModel(**narrow)
@@ -98,7 +98,7 @@ def test_sd2_blocks_compiled_one_by_one_all_compile_within_the_raised_limit() ->
     torch._dynamo.reset()
     with torch._dynamo.config.patch(recompile_limit=8, fail_on_recompile_limit_hit=True):
         compile_unet(unet, cfg)
-        for unit in (m for m in unet.modules() if is_fsdp_unit(m)):  # count instead of generating code
+        for unit in fsdp_units(unet):  # count instead of generating code
             unit._compiled_call_impl = torch.compile(unit._call_impl, backend=counted, dynamic=False)
         with torch.no_grad():
             unet(torch.randn(1, 4, 32, 32), torch.tensor([10]), torch.randn(1, 77, 32))
