@@ -54,6 +54,10 @@ class TrainerBenchConfig:
     enabled: bool = True
     batches: int = allowed(8, ge=1)  # timed Composer batches (after warmup)
     warmup: int = allowed(2, ge=1)  # the first batch pays start-up
+    # Then batches run as a training run runs them, with no sync between their parts (the timed parts above
+    # each wait for the device), against as many bare steps back to back: what Composer adds once its
+    # Python-side work overlaps the device's queue. 0: skip.
+    flow_batches: int = allowed(8, ge=0)
 
 
 @dataclass

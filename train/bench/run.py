@@ -118,7 +118,9 @@ def bench_data_sections(
         out["loader_vs_streaming"] = loader_vs_streaming(cfg, root, work)
     if cfg.trainer.enabled:
         t = cfg.trainer
-        out["trainer"] = bench_trainer(recipe, root, res, batch, t.batches, t.warmup, work / "trainer", setup)
+        out["trainer"] = bench_trainer(
+            recipe, root, res, batch, t.batches, t.warmup, work / "trainer", setup, t.flow_batches
+        )
         out["trainer"]["resolution"] = res
         out["trainer"]["recipe"] = cfg.recipe
     return out

@@ -35,7 +35,7 @@ from train.bench.config import StepBenchConfig
 from train.config import TrainConfig
 from train.data.draws import SAMPLE_SEED
 from train.loop.trainer import build_optimizer
-from train.model.assemble import assemble_model
+from train.model.assemble import assemble_model, forget_compiled_code
 from train.model.diffusion import DiffusionModel
 from train.model.kernels import enable_cudnn_benchmark
 
@@ -341,6 +341,7 @@ class StepBench:
             inputs = synthetic_pixel_batch(self.preset, resolution, batch_size, setup, seed)
             encoders = self.encoders
             calls["online"] = lambda: online_train_step(model, optimizer, encoders, inputs, setup)
+        forget_compiled_code()  # each resolution is its own train run, in a process of its own
         if setup.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(setup.device)
         progress(f"train {resolution} px, batch {batch_size}: first step (compiles, autotunes) ...")

@@ -23,6 +23,7 @@ from shared.runtime.device import DeviceSetup
 from train.bench.config import StepBenchConfig
 from train.bench.step import FlopCounts, StepBench, synthetic_latent_batch, time_interleaved, train_step
 from train.config import TrainConfig
+from train.model.assemble import forget_compiled_code
 from train.model.online_text import OnlineText
 
 
@@ -49,6 +50,7 @@ def online_text(train_cfg: TrainConfig, setup: DeviceSetup) -> OnlineText:
 def measure_text_store(
     bench: StepBench, resolution: int, plan: StepBenchConfig, flops: FlopCounts, seed: int
 ) -> dict[str, Any]:
+    forget_compiled_code()  # each resolution is its own train run (train/model/assemble.py)
     setup, model, optimizer = bench.setup, bench.model, bench.optimizer
     batch_size = plan.batch_for(resolution)
     stored = synthetic_latent_batch(bench.preset, resolution, batch_size, setup, seed)

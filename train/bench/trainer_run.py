@@ -1,5 +1,11 @@
 """The trainer section of `make bench`: the real Composer trainer over the bench dataset, each batch timed
 against the U-Net forward/backward and optimizer step inside it and against a bare step on the same batch.
+
+Timing a part waits for the device before and after it, so those batches run serialised: every millisecond
+of Python (events, callbacks, clipping's and the EMA's launches) shows, where a training run, which never
+waits for the device inside a step, overlaps it with the kernels still queued. So the section ends with
+`flow_batches` batches timed only as a whole, as a run runs them, against as many bare steps back to back:
+what Composer adds to the step in a real run (issue 30 item 5), beside where its time goes.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from train.bench.syncs import Readbacks, count_readbacks, step_tracker
 from train.config import TrainConfig
 from train.data.packing import unpack
 from train.loop.trainer import build_trainer
+from train.model.assemble import forget_compiled_code
 
 if TYPE_CHECKING:
     from composer import Trainer
@@ -46,20 +53,41 @@ class BatchClock:
 
     sync: Callable[[], None]
     bare_step: Callable[[Any], Any]  # the batch as the loader delivered it -> one train_step
+    attributed: int  # the first batches, timed part by part; the rest run unsynced (`flow`)
+    flow_batches: int = 0
     records: list[BatchRecord] = field(default_factory=list)
+    started: int = 0
+    flow_start: float | None = None
+    flow_end: float | None = None
+    last_batch: Any = None
     _open: BatchRecord | None = None
     _in_bare_step: bool = False
+
+    @property
+    def attributing(self) -> bool:
+        return self.started <= self.attributed
 
     def now(self) -> float:
         self.sync()
         return time.perf_counter()
 
-    def start_batch(self) -> None:
+    def start_batch(self, completed: int) -> None:
+        """BEFORE_DATALOADER after `completed` batches; at an epoch's end Composer fires it again for the
+        same batch (the first fetch ends the epoch), which stays part of that batch."""
+        if completed + 1 == self.started:
+            return
+        self.started = completed + 1
+        if self._open is None and not self.attributing:
+            return
         now = self.now()
         if self._open is not None:
             self._open.wall_s = now - self._open.start - self._open.bare_step_s
             self.records.append(self._open)
-        self._open = BatchRecord(now)
+            self._open = None
+        if self.attributing:
+            self._open = BatchRecord(now)
+        else:
+            self.flow_start = now
 
     def fetched(self) -> None:
         if self._open is not None:
@@ -74,6 +102,11 @@ class BatchClock:
             self._open.in_step_s += seconds
 
     def run_bare_step(self, batch: Any) -> None:
+        if not self.attributing:
+            self.last_batch = batch
+            if self.started == self.attributed + self.flow_batches:
+                self.flow_end = self.now()
+            return
         if self._open is None:
             return
         start = self.now()
@@ -92,7 +125,7 @@ def _batch_clock_callback(clock: BatchClock) -> Any:
         """Last in the callback list, so at BATCH_END the EMA and every other callback have run."""
 
         def before_dataloader(self, state: Any, logger: Any) -> None:
-            clock.start_batch()
+            clock.start_batch(state.timestamp.batch.value)
 
         def after_dataloader(self, state: Any, logger: Any) -> None:
             clock.fetched()
@@ -109,6 +142,8 @@ def _timed(fn: Callable[..., Any], clock: BatchClock, record: Callable[[float], 
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if not clock.attributing:  # the flow batches: nothing waits for the device
+            return fn(*args, **kwargs)
         start = clock.now()
         try:
             return fn(*args, **kwargs)
@@ -215,12 +250,16 @@ def bench_trainer(
     warmup: int,
     work: Path,
     setup: DeviceSetup,
+    flow_batches: int = 0,
 ) -> dict[str, Any]:
     """Composer's wall time per batch (data, EMA, clipping, callbacks, logging included) vs the step work
     inside it, and vs the bare step timed after every batch on the trainer's own model, optimizer and
-    batch."""
-    # One batch more than timed: the last one ends at FIT_END, not at a next BEFORE_DATALOADER.
-    cfg = trainer_config(recipe, root, resolution, batch_size, warmup + batches + 1, work, setup)
+    batch; then (flow_batches) unsynced batches against as many bare steps back to back."""
+    attributed = warmup + batches
+    # At least one batch after the attributed ones: the last of those ends at the next BEFORE_DATALOADER.
+    total = attributed + max(flow_batches, 1)
+    cfg = trainer_config(recipe, root, resolution, batch_size, total, work, setup)
+    forget_compiled_code()  # the step section's models compiled in this process too (a run has one)
     trainer = build_trainer(cfg)
     state = trainer.state
     optimizer = state.optimizers[0]
@@ -228,17 +267,38 @@ def bench_trainer(
     def bare_step(batch: Any) -> None:
         train_step(state.model, optimizer, unpack(state.device.batch_to_device(batch)), setup)
 
-    clock = BatchClock(setup.sync, bare_step)
+    clock = BatchClock(setup.sync, bare_step, attributed, flow_batches)
     instrument(trainer, clock)
     with count_readbacks() as reads, time_step_work(trainer, clock):
         trainer.state.callbacks.insert(0, step_tracker(reads))
         try:
             trainer.fit()
+            flow = flow_against_bare_steps(clock) if flow_batches else None
         finally:
             trainer.close()
     timed_steps = range(warmup + 1, warmup + batches + 1)
-    return summarize_batches(clock.records[warmup:], batch_size) | {
-        "host_reads_per_step": reads_per_step(reads, timed_steps)
+    out = summarize_batches(clock.records[warmup:], batch_size)
+    out["host_reads_per_step"] = reads_per_step(reads, timed_steps)
+    if flow is not None:
+        out["flow"] = flow
+    return out
+
+
+def flow_against_bare_steps(clock: BatchClock) -> dict[str, Any]:
+    """The unsynced batches' wall time each against as many bare steps back to back on the last batch,
+    each timed as a whole (one wait for the device at either end)."""
+    if clock.flow_start is None or clock.flow_end is None or clock.last_batch is None:
+        raise RuntimeError("the trainer bench's flow batches did not all run")
+    composer = (clock.flow_end - clock.flow_start) / clock.flow_batches
+    start = clock.now()
+    for _ in range(clock.flow_batches):
+        clock.bare_step(clock.last_batch)
+    bare = (clock.now() - start) / clock.flow_batches
+    return {
+        "batches": clock.flow_batches,
+        "composer_per_batch_s": composer,
+        "bare_per_step_s": bare,
+        "outside_share": max(0.0, 1.0 - bare / composer),
     }
 
 

@@ -67,8 +67,9 @@ class TrainConfig:
     compile: bool | None = False
     # What one graph is: unet (the whole U-Net; under per-block FSDP dynamo still breaks it at every FSDP
     # unit) or blocks (each FSDP unit, i.e. each ResNet and transformer block, compiled on its own, the glue
-    # between them eager: "regional" compile). Blocks of one shape share their compiled code, so a cold
-    # compile costs far less; without FSDP it gives the graphs per-block FSDP gives. Under FSDP unet is used.
+    # between them eager: "regional" compile): without FSDP the graphs per-block FSDP gives. Not cheaper
+    # for SD2, whose blocks mostly differ in shape: on an H200 about 200 s cold against 158 s whole, and
+    # 11% slower a step at 256 px (the glue eager). Under FSDP unet is used.
     compile_scope: Literal["unet", "blocks"] = "unet"
     # Where inductor keeps its compiled kernels (TORCHINDUCTOR_CACHE_DIR, and Triton's under it), so a
     # restart, a resume or another rank of the same host or shared filesystem reuses them instead of

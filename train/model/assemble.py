@@ -105,6 +105,16 @@ def use_compile_cache(folder: str) -> str:
     return str(path)
 
 
+def forget_compiled_code() -> None:
+    """Drop dynamo's compiled code, as a new train process starts without it. A train process compiles one
+    model at one resolution (plus its buckets), and `compile_unet`'s recompile limit is sized for that;
+    `make bench` builds several models and resolutions in one process, where their cache entries pile up on
+    the blocks' shared code objects past the limit and later blocks silently run eagerly (on the H200 the
+    Composer section's blocks did: 188 ms a step against the step section's 136 ms). Inductor's on-disk
+    cache stays, so compiling again is a cache hit."""
+    torch._dynamo.reset()
+
+
 def compile_unet(unet: torch.nn.Module, cfg: TrainConfig) -> None:
     """`nn.Module.compile` in place, on the U-Net or (compile_scope=blocks, without FSDP) on each FSDP unit.
 

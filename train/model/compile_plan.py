@@ -31,9 +31,11 @@ def compile_plan_line(cfg: TrainConfig, device: str = "gpu") -> str:
     )
 
 
-# Issue 30's second GPU run: the whole SD2 U-Net as one graph at 256 px, cold cache. About 100 s passed on
-# one core (tracing, lowering) before the first Triton kernel was built; 1,046 by 205 s, load <= 5 of 16.
+# Issue 30's third GPU run (docs/gpu-path.md): the whole SD2 U-Net as one graph at 256 px, batch 64, cold
+# cache, alone on the machine: 158 s to the end of the first step (about 100 s of that on one core, tracing
+# and lowering). Block by block (compile_scope=blocks, the graphs per-block FSDP makes), three compiles side
+# by side: about 200 s per resolution. From a warm cache: 15 s.
 COLD_COMPILE_SEEN = (
-    "a cold compile of SD2's U-Net at one shape took over 205 s on an H200 (torch 2.11, 16 cores; not "
-    "finished then), per resolution or bucket"
+    "a cold compile of SD2's U-Net took 158 s at one shape on an H200 (torch 2.11, 16 cores; about 200 s "
+    "block by block), per resolution or bucket, and 15 s from a warm cache"
 )

@@ -36,6 +36,7 @@ MINIMAL = [
     "loader.raw_read_repeats=1",
     "trainer.batches=1",
     "trainer.warmup=1",
+    "trainer.flow_batches=2",
     "encode.samples=8",
     "encode.partitions=1",
     "encode.batch_size=4",
@@ -101,6 +102,10 @@ def test_bench_writes_json_with_every_section(bench_run: tuple[dict[str, Any], P
     assert trainer["batches_timed"] == 1 and 0 <= trainer["outside_step_share"] < 1
     assert "HandoffEMA" in trainer["components_s"]  # the recipe's EMA is timed on its own
     assert isinstance(trainer["unattributed_s"], float)  # Composer's own loop: may come out < 0 by noise
+    flow = trainer["flow"]  # then batches as a run runs them, against bare steps back to back (issue 30 (5))
+    assert flow["batches"] == 2
+    assert positive(flow["composer_per_batch_s"]) and positive(flow["bare_per_step_s"])
+    assert 0 <= flow["outside_share"] < 1
     assert positive(encode["images_per_s_per_device"]) and encode["samples"] > 0
     assert all(positive(encode["stages_samples_per_s"][k]) for k in ("prepare", "vae", "text"))
     assert positive(encode["bound_samples_per_s"]) and encode["slowest_stage"] in ("prepare", "vae", "text")
@@ -114,6 +119,8 @@ def test_bench_writes_markdown_table(bench_run: tuple[dict[str, Any], Path]) -> 
     text = (out / MARKDOWN_NAME).read_text()
     assert "| res | batch | img/s offline | img/s online |" in text
     assert "| 64 |" in text and "| 128 |" in text and "encode pipeline" in text
+    assert "| Composer batch, unsynced |" in text
+    assert any(note.startswith("Composer trainer as a run runs it") for note in result["findings"])
     assert all(f"- {note}" in text for note in result["findings"])
 
 
@@ -290,3 +297,20 @@ def test_bench_takes_the_step_apart(bench_run: tuple[dict[str, Any], Path]) -> N
         positive(v["images_per_s"]) for v in vae.values()
     )
     assert any(line.startswith("anatomy 64 px:") for line in result["findings"])
+
+
+def test_every_section_compiles_its_model_as_a_fresh_train_process(tmp_path: Path) -> None:
+    """Regional compile (one graph per block, the per-block FSDP graphs) at two resolutions, then the
+    Composer trainer and the text.store step in the same process: each model and resolution is its own
+    train run, so each must find dynamo's caches as a new process does. On the H200 they did not: the
+    trainer section's blocks piled up past the recompile limit the train job sizes for one run and ran
+    eagerly (188 ms a step against 136 ms compiled). Here that silent fallback is a hard error."""
+    compiled = "recipe_overrides=[compile=true,compile_backend=aot_eager,compile_scope=blocks"
+    compiled += ",channels_last=true]"
+    only = ["step.resolutions=[32,64]", "step.online=false", "loader.enabled=false", "anatomy.enabled=false"]
+    only += ["buckets.enabled=false", "encode.enabled=false", compiled]
+    cfg = load_bench_config("quick", [*MINIMAL, *only, f"out_dir={tmp_path / 'out'}", f"work_dir={tmp_path}"])
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        result = run_bench(cfg)
+    assert {"32", "64"} <= set(result["train"]) and {"32", "64"} <= set(result["text_store"])
+    assert positive(result["trainer"]["bare_step_s"])

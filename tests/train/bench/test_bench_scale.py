@@ -28,4 +28,7 @@ def test_scale_section_counts_host_syncs_and_python_share(tmp_path: Path) -> Non
     assert 0 <= scale["python_side_share"] < 1 and scale["python_side_share_target"] == 0.05
     trainer = result["trainer"]  # the step work is timed inside Composer's batch, and is most of it
     assert 0 < trainer["in_step_s"] < trainer["wall_per_batch_s"]
+    # 1 + 6 + 2 flow batches over 8 rows: Composer fires BEFORE_DATALOADER twice at the epoch's end, and
+    # that stays one batch, so every batch is timed once and the flow batches all run
+    assert trainer["batches_timed"] == 6 and trainer["flow"]["batches"] == 2
     assert any(note.startswith("scale: ") for note in findings(result))
