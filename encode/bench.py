@@ -257,6 +257,7 @@ class PipelineRun:
     seconds: float
     samples: int
     main_thread: dict[str, float]  # encode.pipeline.MainThreadTimes: seconds by phase
+    launch: dict[str, float]  # ... and the launch phase's seconds by part
 
 
 def time_pipeline(cfg: EncodeConfig, encoders: Encoders) -> PipelineRun:
@@ -270,7 +271,9 @@ def time_pipeline(cfg: EncodeConfig, encoders: Encoders) -> PipelineRun:
     if summary.failed:
         raise RuntimeError(f"encode bench: partitions failed: {summary.failed}")
     # each kept caption is encoded once
-    return PipelineRun(summary.seconds, encoders.texts_encoded - before, summary.main_thread)
+    return PipelineRun(
+        summary.seconds, encoders.texts_encoded - before, summary.main_thread, summary.main_thread_launch
+    )
 
 
 def bench_encode(
@@ -314,9 +317,12 @@ def main_thread_summary(runs: list[PipelineRun]) -> dict[str, Any]:
     """
     run = sorted(runs, key=lambda r: r.seconds)[len(runs) // 2]
     phases = {name: round(s, 4) for name, s in run.main_thread.items()}
+    share = lambda s: s / run.seconds if run.seconds else 0.0  # noqa: E731
     return {
         "main_thread_s": phases,
-        "main_thread_share": {name: s / run.seconds if run.seconds else 0.0 for name, s in phases.items()},
+        "main_thread_share": {name: share(s) for name, s in phases.items()},
+        # `launch` by part (text tower, stacking the pixel batch, the VAE's copy and kernels queued)
+        "main_thread_launch_share": {name: share(s) for name, s in run.launch.items()},
     }
 
 

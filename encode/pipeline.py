@@ -14,7 +14,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -49,6 +49,7 @@ class RankSummary:
     failed: dict[str, str] = field(default_factory=dict)  # partition -> error
     seconds: float = 0.0
     main_thread: dict[str, float] = field(default_factory=dict)  # MainThreadTimes.seconds
+    main_thread_launch: dict[str, float] = field(default_factory=dict)  # MainThreadTimes.launch_parts
 
     @property
     def samples_written(self) -> int:
@@ -85,17 +86,19 @@ class MainThreadTimes:
     for."""
 
     PHASES = ("waiting_for_workers", "launch", "waiting_for_device", "writing", "publishing")
+    # `launch` taken apart: the text tower's call, stacking a batch's images into one (pinned) host tensor,
+    # and the VAE's call (the copy to the device and the encoder's kernels queued)
+    LAUNCH_PARTS = ("text", "pixel_batch", "vae")
 
     def __init__(self) -> None:
         self.seconds = dict.fromkeys(self.PHASES, 0.0)
+        self.launch_parts = dict.fromkeys(self.LAUNCH_PARTS, 0.0)
 
-    @contextmanager
-    def phase(self, name: str) -> Iterator[None]:
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.seconds[name] += time.perf_counter() - start
+    def phase(self, name: str) -> AbstractContextManager[None]:
+        return _adding_seconds(self.seconds, name)
+
+    def launch_part(self, name: str) -> AbstractContextManager[None]:
+        return _adding_seconds(self.launch_parts, name)
 
     def items(self, iterable: Iterable[T]) -> Iterator[T]:
         it = iter(iterable)
@@ -105,6 +108,15 @@ class MainThreadTimes:
             if item is None:
                 return
             yield item
+
+
+@contextmanager
+def _adding_seconds(into: dict[str, float], name: str) -> Iterator[None]:
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        into[name] += time.perf_counter() - start
 
 
 @dataclass
@@ -133,13 +145,16 @@ class LaunchedBatch:
                 self.writer.write(sample.key, sample.caption, text, latents[i], sample.geometry)
 
 
-def launch_batch(writer: PartitionWriter, samples: list[PreparedSample], encoders: Encoders) -> LaunchedBatch:
+def launch_batch(
+    writer: PartitionWriter, samples: list[PreparedSample], encoders: Encoders, times: MainThreadTimes
+) -> LaunchedBatch:
     """Queue the text tower and the VAE (once per resolution and shape present) for one batch."""
     todo = [i for i, s in enumerate(samples) if s.text_embedding is None]
     text = None
     if todo:
         captions = [samples[i].text_input for i in todo]
-        text = (todo, encoders.launch_text(captions, writer.cfg.text.store))
+        with times.launch_part("text"):
+            text = (todo, encoders.launch_text(captions, writer.cfg.text.store))
     writer.count("text", reused=False, n=len(todo))
     writer.count("text", reused=True, n=len(samples) - len(todo))
     latents = []
@@ -150,7 +165,10 @@ def launch_batch(writer: PartitionWriter, samples: list[PreparedSample], encoder
             if res in s.pixels:
                 by_shape.setdefault(s.pixels[res].shape, []).append(i)
         for group in by_shape.values():
-            latents.append((res, group, encoders.launch_images([samples[i].pixels[res] for i in group])))
+            with times.launch_part("pixel_batch"):
+                host = encoders.pixel_batch([samples[i].pixels[res] for i in group])
+            with times.launch_part("vae"):
+                latents.append((res, group, encoders.launch_vae(host)))
         writer.count(f"latents:{res}", reused=False, n=sum(len(g) for g in by_shape.values()))
         writer.count(f"latents:{res}", reused=True, n=sum(res in s.latents for s in samples))
     return LaunchedBatch(writer, samples, text, latents)
@@ -191,7 +209,7 @@ def encode_partitions(
                 writers[pid] = PartitionWriter(by_id[pid], cfg, layout, shapes)
             if isinstance(item, PreparedBatch):
                 with times.phase("launch"):
-                    in_flight.append(launch_batch(writers[pid], item.samples, encoders))
+                    in_flight.append(launch_batch(writers[pid], item.samples, encoders, times))
                 while len(in_flight) > IN_FLIGHT_BATCHES:
                     in_flight.popleft().write(times)
                 continue
@@ -201,7 +219,7 @@ def encode_partitions(
             with times.phase("publishing"):
                 finish_partition(writer, item, stages, summary, publisher)
     progress.close()
-    summary.main_thread = times.seconds
+    summary.main_thread, summary.main_thread_launch = times.seconds, times.launch_parts
 
 
 def finish_partition(

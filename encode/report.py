@@ -30,6 +30,12 @@ def print_rank(summary: RankSummary) -> None:
             f"{name.replace('_', ' ')} {100 * seconds / summary.seconds:.0f}%"
             for name, seconds in summary.main_thread.items()
         )
+        if summary.main_thread_launch:
+            parts = ", ".join(
+                f"{name.replace('_', ' ')} {100 * seconds / summary.seconds:.0f}%"
+                for name, seconds in summary.main_thread_launch.items()
+            )
+            spent += f" (launch: {parts})"
         typer.echo(f"{who}: main thread: {spent}")
     reused_text = sum(m.reused["text"] for m in summary.markers)
     reused_latents = sum(sum(m.reused["latents"].values()) for m in summary.markers)

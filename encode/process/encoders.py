@@ -166,8 +166,15 @@ class Encoders:
 
     def launch_images(self, pixels: Sequence[np.ndarray]) -> HostArrays:
         """`encode_images` queued on the device: (mean, logvar) once `.arrays()` returns."""
-        self.images_encoded += len(pixels)
-        host = host_pixel_batch(pixels, pin=self.device.type == "cuda")
+        return self.launch_vae(self.pixel_batch(pixels))
+
+    def pixel_batch(self, pixels: Sequence[np.ndarray]) -> torch.Tensor:
+        """The host side of `launch_images`: one uint8 NHWC batch, pinned when the VAE is on a GPU."""
+        return host_pixel_batch(pixels, pin=self.device.type == "cuda")
+
+    def launch_vae(self, host: torch.Tensor) -> HostArrays:
+        """The device side of `launch_images`, from `pixel_batch`'s batch."""
+        self.images_encoded += len(host)
         with torch.inference_mode(), self._autocast():
             batch = pixels_to_vae_input(host.to(self.device, non_blocking=True), self.vae.dtype)
             dist = self.vae.encode(batch).latent_dist

@@ -229,6 +229,8 @@ def test_batches_queued_ahead_write_the_same_rows_in_input_order(
     assert ahead >= 2 and deepest == ahead + 1
     assert set(queued.main_thread) == set(pipeline.MainThreadTimes.PHASES)
     assert 0 < sum(queued.main_thread.values()) <= queued.seconds
+    assert set(queued.main_thread_launch) == set(pipeline.MainThreadTimes.LAUNCH_PARTS)
+    assert 0 < sum(queued.main_thread_launch.values()) <= queued.main_thread["launch"]
     for res in (LOW, HIGH):
         rows, serial = rows_by_key(tmp_path / "queued", res), rows_by_key(tmp_path / "serial", res)
         assert list(rows) == sorted(rows) and list(serial) == sorted(serial)  # input order (keys ascend)

@@ -111,6 +111,9 @@ def encode_findings(encode: dict[str, Any]) -> list[str]:
     ]
     if shares := encode.get("main_thread_share"):
         spent = ", ".join(f"{name.replace('_', ' ')} {_pct(share)}" for name, share in shares.items())
+        if parts := encode.get("main_thread_launch_share"):
+            launch = ", ".join(f"{name.replace('_', ' ')} {_pct(share)}" for name, share in parts.items())
+            spent += f" (launch: {launch})"
         notes.append(f"encode main thread: {spent} of the pipeline's time")
     if encode["vae_input_share_of_vae"] > HOST_WORK_SHARE:
         notes.append(

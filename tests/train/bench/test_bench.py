@@ -112,6 +112,9 @@ def test_bench_writes_json_with_every_section(bench_run: tuple[dict[str, Any], P
     assert 0 < encode["vae_input_share_of_vae"] < 1
     assert set(encode["main_thread_share"]) == set(MainThreadTimes.PHASES)  # where the pipeline's time went
     assert 0 < sum(encode["main_thread_share"].values()) <= 1
+    launch = encode["main_thread_launch_share"]  # the launch phase by part: which call holds the host
+    assert set(launch) == set(MainThreadTimes.LAUNCH_PARTS)
+    assert 0 < sum(launch.values()) <= encode["main_thread_share"]["launch"] + 1e-9
 
 
 def test_bench_writes_markdown_table(bench_run: tuple[dict[str, Any], Path]) -> None:
