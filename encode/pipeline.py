@@ -33,6 +33,7 @@ from encode.process.prepare import PartitionEnd, PreparedBatch, PreparedSample, 
 from encode.process.writer import PartitionWriter, remove_stale_staging
 from encode.sources import Partition, list_partitions
 from shared.manifest import Layout
+from shared.runtime.children import die_with_parent
 
 log = logging.getLogger("encode")
 T = TypeVar("T")
@@ -200,6 +201,7 @@ def encode_partitions(
         num_workers=min(cfg.workers, len(plans)),
         collate_fn=keep_as_is,
         prefetch_factor=2 if cfg.workers else None,  # batches per worker
+        worker_init_fn=die_with_parent,  # a kill -9 of this process leaves no worker behind
     )
     progress = Progress(len(plans), enabled=cfg.progress)
     with Publisher(cfg.output.max_pending_uploads, summary, progress) as publisher:

@@ -12,11 +12,9 @@ really verified (without one SeaweedFS accepts any key and a signing bug would g
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -28,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from shared import storage
+from shared.runtime.children import die_with_parent
 from shared.runtime.environ import restored_environ
 
 S3_BUCKET = "sd-pretrain-test"
@@ -58,7 +57,6 @@ PORT_NAMES = (
     "s3",
     "s3_grpc",
 )
-PR_SET_PDEATHSIG = 1  # linux prctl option: signal the child when its parent dies
 
 
 class WeedExitedError(RuntimeError):
@@ -141,12 +139,6 @@ def weed_command(binary: Path, workdir: Path, ports: dict[str, int]) -> list[str
         f"-s3.localSocket={workdir / 's3.sock'}",
         f"-s3.config={workdir / 's3-identities.json'}",
     ]
-
-
-def _die_with_parent() -> None:
-    """Child-side: get SIGKILL if pytest dies, so a crashed session leaves no server behind (Linux)."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def _weed_env(workdir: Path) -> dict[str, str]:
@@ -236,7 +228,7 @@ def spawn_weed(binary: Path, workdir: Path, ports: dict[str, int]) -> subprocess
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             env=_weed_env(workdir),
-            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+            preexec_fn=die_with_parent if sys.platform.startswith("linux") else None,  # pytest dies: it too
         )
 
 

@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from encode.process.encoders import load_encoders
@@ -19,6 +20,7 @@ from tests.encode.test_pipeline import HIGH, LOW, SMALL, encode, make_cfg, rows_
 SHARDS = 8
 START_TIMEOUT_S = 240  # importing torch + diffusers + streaming on a loaded 2-core box
 POLL_S = 0.02
+ORPHAN_TIMEOUT_S = 10  # the kernel's SIGKILL to a worker whose parent died is immediate; leave room for load
 
 
 def encode_cmd(src: Path, out: Path, *extra: str) -> list[str]:
@@ -40,7 +42,8 @@ def done_markers(out: Path) -> list[Path]:
 def kill_after_first_partition(cmd: list[str], out: Path) -> int:
     """Start the job, SIGKILL it the moment its first partition is published; return markers seen then.
     Its temp folder is under `out`: a killed process leaves what it would remove at exit (torch's import-time
-    TemporaryDirectory), and this test owns that, not the suite's temp folder."""
+    TemporaryDirectory), and this test owns that, not the suite's temp folder. Its decode workers must not
+    outlive it (shared/runtime/children.py): before, one sat orphaned with ~490 MB, minutes later."""
     (out.parent / "tmp").mkdir(exist_ok=True)
     env = {**os.environ, "TMPDIR": str(out.parent / "tmp")}
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
@@ -54,8 +57,14 @@ def kill_after_first_partition(cmd: list[str], out: Path) -> int:
             proc.kill()
             raise AssertionError("encode published no partition in time")
         time.sleep(POLL_S)
+    workers = psutil.Process(proc.pid).children(recursive=True)
+    assert workers, "encode ran without its decode worker: the test lost what it checks"
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
+    _, alive = psutil.wait_procs(workers, timeout=ORPHAN_TIMEOUT_S)
+    for orphan in alive:
+        orphan.kill()
+    assert not alive, f"encode's workers outlived its kill -9: {[p.pid for p in alive]}"
     return len(done_markers(out))
 
 

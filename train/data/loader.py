@@ -41,6 +41,7 @@ from shared.contract import (
     check_index,
 )
 from shared.manifest import DatasetManifest, Layout, fingerprint, read_manifest
+from shared.runtime.children import die_with_parent
 from train.config import DataConfig
 from train.data import packing
 from train.data.draws import SAMPLE_SEED
@@ -346,6 +347,7 @@ def build_dataloader(
         drop_last=True,
         pin_memory=_cuda_available(),
         collate_fn=packing.collate_packed,
+        worker_init_fn=die_with_parent,  # a rank killed with -9 leaves no worker behind
         **extra,
     )
 
