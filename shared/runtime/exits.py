@@ -174,9 +174,11 @@ def _torchrun_quietly(
     except failed as err:
         if debug_enabled():
             raise
-        unexplained = [f for f in err.failures.values() if f.exitcode not in SELF_EXPLAINED]  # type: ignore[attr-defined]
+        # failures: global rank -> ProcessFailure (which has local_rank, pid and exitcode, not the rank)
+        failures = sorted(err.failures.items())  # type: ignore[attr-defined]
+        unexplained = [(rank, f.exitcode) for rank, f in failures if f.exitcode not in SELF_EXPLAINED]
         if unexplained:
-            text = ", ".join(f"rank {f.rank} exited {f.exitcode}" for f in unexplained)
+            text = ", ".join(f"rank {rank} exited {code}" for rank, code in unexplained)
             print(f"torchrun: {text}", file=sys.stderr, flush=True)
         sys.exit(TORCHRUN_FAILED)
 

@@ -133,3 +133,16 @@ def test_a_rendezvous_whose_store_is_unreachable_ends_torchrun_in_one_line() -> 
     # One line: no Python traceback, and none of the agent's C++ connect retries with their C++ stacks.
     [line] = run.stderr.strip().splitlines()
     assert line.startswith("torchrun: the rendezvous failed: ") and "timed out" in line, run.stderr
+
+
+def test_a_rank_killed_with_minus_9_ends_torchrun_in_one_line(tmp_path) -> None:
+    """A rank that dies without saying why (SIGKILL: the fault drill, the OOM killer) is named in one line,
+    by its global rank; torchrun exits 1, and nothing of the wrapper's own raises (before, a wrong field of
+    torchrun's ProcessFailure printed an AttributeError traceback under every fault drill)."""
+    script = tmp_path / "rank.py"
+    script.write_text("import os, signal\nif os.environ['RANK'] == '1':\n    os.kill(os.getpid(), 9)\n")
+    argv = [sys.executable, "-m", "shared.runtime.exits", "--standalone", "--nproc-per-node=2", str(script)]
+    env = {**os.environ, DEBUG_ENV: "0", "OMP_NUM_THREADS": "1"}  # else torchrun warns it set it
+    run = subprocess.run(argv, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1, run.stderr
+    assert run.stderr.strip().splitlines() == ["torchrun: rank 1 exited -9"], run.stderr
