@@ -25,6 +25,7 @@ from train.bench.data import bench_loader, write_synthetic_dataset
 from train.bench.step import StepBench, synthetic_latent_batch, time_calls, train_step
 from train.config import TrainConfig
 from train.data.buckets import compile_per_bucket
+from train.model.assemble import forget_compiled_code
 from train.model.kernels import is_compiled
 
 _DYNAMO_SETTINGS = ("automatic_dynamic_shapes", "recompile_limit", "accumulated_recompile_limit")
@@ -101,7 +102,7 @@ def per_bucket_dynamo(unet: torch.nn.Module, buckets: int, backend: str) -> Iter
     saved = {name: getattr(config, name) for name in _DYNAMO_SETTINGS}
     own = backend and not is_compiled(unet)
     in_use = "recipe" if is_compiled(unet) else backend
-    torch._dynamo.reset()
+    forget_compiled_code()
     torch._dynamo.utils.counters.clear()
     try:
         compile_per_bucket(buckets, compile=bool(in_use))
@@ -113,7 +114,7 @@ def per_bucket_dynamo(unet: torch.nn.Module, buckets: int, backend: str) -> Iter
             setattr(config, name, value)
         if own:
             unet._compiled_call_impl = None  # eager again for whatever the bench runs next
-        torch._dynamo.reset()
+        forget_compiled_code()
 
 
 def second_round(

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from train.model.assemble import use_compile_cache
+from train.model.assemble import forget_compiled_code, use_compile_cache
 
 
 def _dynamo_counts() -> dict[str, int]:
@@ -43,7 +43,7 @@ def compile_anatomy(
     """Compile `unet` in place with `backend`, then time its first step (compilation included) and `steps`
     more; counts as in the module doc. `run_step` runs one full train step on the model holding `unet`."""
     use_compile_cache(cache_dir)
-    torch._dynamo.reset()
+    forget_compiled_code()
     torch._dynamo.utils.counters.clear()
     unet.compile(backend=backend, dynamic=False)  # as the train job compiles it (train/model/assemble.py)
     start = time.perf_counter()

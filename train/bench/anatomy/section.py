@@ -19,6 +19,7 @@ from train.bench.anatomy.ops import FullStep, cpu_autocast_like_cuda, dispatch_t
 from train.bench.config import BenchConfig
 from train.bench.step import FlopCounts, StepBench, mfu, progress, synthetic_latent_batch, time_calls
 from train.config import TrainConfig
+from train.model.assemble import forget_compiled_code
 from train.model.compile_plan import use_compile
 
 WARMUP_STEPS = 2  # a variant's untimed steps: compilation, optimizer state, cuDNN autotuning, allocator
@@ -89,7 +90,7 @@ def bench_anatomy(cfg: BenchConfig, recipe: TrainConfig, setup: DeviceSetup) -> 
         profiled = profile_steps(step, 1)
         compiled["top_level_aten_ops_per_step"] = profiled["top_level_aten_ops_per_step"]
         out["compiled"] = compiled
-        torch._dynamo.reset()
+        forget_compiled_code()
     del step
     _free()
     return out
@@ -127,7 +128,7 @@ def bench_variants(
         batch_size = cfg.step.batch_for(res)
         timed: dict[str, Any] = {}
         for name, variant in runs.items():
-            torch._dynamo.reset()
+            forget_compiled_code()
             progress(f"anatomy {res} px: {name} (a compiled variant compiles first) ...")
             step = full_step(variant, setup, res, batch_size, cfg.seed)
             first = time_calls(step.run, 0, 1, setup).median  # a compiled variant compiles in it
