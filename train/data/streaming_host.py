@@ -7,6 +7,10 @@
 - Streaming picks its shared-memory prefix by check-then-create, so two datasets built at the same moment
   on one host collide (FileExistsError '/0000NN_locals'; mosaicml/streaming #884, #901): construction
   holds a per-user host lock (`streaming_prefix_lock`).
+- every rank of a node scans for that prefix on its own, before the ranks meet: a segment another job
+  unlinks between two ranks' scans (its process exiting) makes them pick different prefixes, and the later
+  rank dies with FileNotFoundError '/0000NN_locals'. During construction the node's local leader alone
+  scans and the ranks take its choice (`agreed_shm_prefix`).
 """
 
 from __future__ import annotations
@@ -146,10 +150,68 @@ def streaming_prefix_lock() -> Iterator[Callable[[Any], Any]]:
     try:
         if distributed:
             torch_dist.barrier()
-        yield remove_file_locks_at_exit
+        with _prefix_agreed_per_node():
+            yield remove_file_locks_at_exit
     finally:
         if fd is not None:
             os.close(fd)  # closing the descriptor drops the flock
+
+
+@contextmanager
+def _prefix_agreed_per_node() -> Iterator[None]:
+    """StreamingDataset construction with `agreed_shm_prefix` in place of Streaming's `get_shm_prefix`."""
+    import streaming.base.dataset as streaming_dataset
+
+    original = streaming_dataset.get_shm_prefix
+    streaming_dataset.get_shm_prefix = agreed_shm_prefix
+    try:
+        yield
+    finally:
+        streaming_dataset.get_shm_prefix = original
+
+
+def agreed_shm_prefix(
+    streams_local: list[str], streams_remote: list[str | None], world: Any, retry: int = 100
+) -> tuple[int, Any]:
+    """Streaming 0.13's `get_shm_prefix` (register the node's prefix, recording its local folders), with one
+    scan per node: the local leader scans /dev/shm and every rank takes its node's leader's choice.
+
+    Upstream each rank scans, then the ranks meet in a barrier and the leader creates the prefix it found;
+    when another job's segments go between two ranks' scans, a rank looks for a prefix nobody created.
+    Without torch.distributed there is one rank, and Streaming's own function runs.
+    """
+    import torch.distributed as torch_dist
+    from streaming.base.constant import LOCALS, SHM_TO_CLEAN
+    from streaming.base.shared import SharedMemory
+    from streaming.base.shared import prefix as shm_prefix
+
+    if not (torch_dist.is_available() and torch_dist.is_initialized()):
+        return shm_prefix.get_shm_prefix(streams_local, streams_remote, world, retry)
+    shm_prefix._check_self(streams_local)
+    scanned = None
+    if world.is_local_leader:
+        scanned = max(
+            shm_prefix._check_and_find_retrying(streams_local, streams_remote, name, retry)
+            for name in SHM_TO_CLEAN
+        )
+    choices: list[Any] = [None] * torch_dist.get_world_size()
+    torch_dist.all_gather_object(choices, (world.node, scanned))
+    prefix_int = next(p for node, p in choices if node == world.node and p is not None)
+    name = shm_prefix._get_path(prefix_int, LOCALS)
+    if world.is_local_leader:
+        data = shm_prefix._pack_locals(streams_local, prefix_int)
+        shm = SharedMemory(name, True, len(data))
+        shm.buf[: len(data)] = data
+    torch_dist.barrier()
+    if not world.is_local_leader:
+        shm = SharedMemory(name, False)
+        their_locals, _ = shm_prefix._unpack_locals(bytes(shm.buf))
+        if their_locals != streams_local:
+            raise DataError(
+                f"the ranks of one node stream different local folders ({streams_local} here, "
+                f"{their_locals} on its first rank): data.cache_dir must name the same folder on every rank"
+            )
+    return prefix_int, shm
 
 
 def remove_file_locks_at_exit(dataset: Any) -> Any:

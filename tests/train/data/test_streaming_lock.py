@@ -7,13 +7,18 @@ barrier; not from a plain fork of pytest, whose threads (left by earlier tests) 
 then waits on forever. Each joins its own one-rank gloo group, as every rank of a torchrun job has one:
 Streaming then meets its ranks in barriers between picking the prefix and creating it, so nothing can retry
 its way around a collision.
+
+Within one job, the ranks of a node must agree on the prefix although another job's segments come and go
+while they build: the second test tears one down between the leader's scan and the other rank's.
 """
 
 from __future__ import annotations
 
 import atexit
+import mmap
 import multiprocessing as mp
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -92,3 +97,102 @@ def test_datasets_built_at_the_same_instant_do_not_collide(tiny_dataset: str, tm
     assert [child.exitcode for child in children] == [0] * PROCESSES
     left = {p.local: registrations_of(p.local) for p in pinned}
     assert not any(left.values()), f"shared memory left behind: {left}"
+
+
+def _create_foreign_locals(name: str, folder: str) -> None:
+    """Another job's registration: a Streaming LOCALS block `name` naming `folder`."""
+    import _posixshmem
+
+    from streaming.base.shared.prefix import _pack_locals
+
+    data = _pack_locals([folder], 0)
+    fd = _posixshmem.shm_open(f"/{name}", os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
+    try:
+        os.ftruncate(fd, len(data))
+        with mmap.mmap(fd, len(data)) as view:
+            view[:] = data
+    finally:
+        os.close(fd)
+
+
+def _rank_in_child(pinned: PinnedData, store: str, rank: int, gone: str, other: str, results: Any) -> None:
+    """One of two ranks on one node. Rank 0 (the leader) finds another job's prefix registered where its
+    scan would land, and that job tears it down once the leader has scanned; rank 1 scans (if it scans at
+    all) only after that, as a rank that reaches the scan later does."""
+    atexit._clear()  # first: what the imports below register at exit is ours to run
+    import _posixshmem
+
+    import torch.distributed as torch_dist
+    from streaming.base.constant import LOCALS, SHM_TO_CLEAN
+    from streaming.base.shared import prefix as shm_prefix
+    from streaming.base.shared.prefix import _get_path
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
+    scan, foreign, calls = shm_prefix._check_and_find_retrying, [], []
+
+    def leader_scan(streams_local: list[str], streams_remote: list[Any], shm_name: str, retry: int) -> int:
+        if not foreign:
+            foreign.append(_get_path(scan(streams_local, streams_remote, LOCALS, retry), LOCALS))
+            _create_foreign_locals(foreign[0], other)
+        calls.append(shm_name)
+        found = scan(streams_local, streams_remote, shm_name, retry)
+        if len(calls) == len(SHM_TO_CLEAN):  # the leader's scan is over: the other job exits
+            _posixshmem.shm_unlink(f"/{foreign[0]}")
+            Path(gone).touch()
+        return found
+
+    def late_scan(*args: Any, **kwargs: Any) -> int:
+        deadline = time.monotonic() + JOIN_TIMEOUT_S
+        while not Path(gone).exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return scan(*args, **kwargs)
+
+    shm_prefix._check_and_find_retrying = leader_scan if rank == 0 else late_scan
+    try:
+        torch_dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+        dataset = build_dataset(DataConfig(shuffle=False, num_workers=0), pinned, per_rank_batch=4, seed=0)
+        results.put((rank, "ok", dataset._shm_prefix_int, foreign[:1]))
+        torch_dist.barrier()  # the leader's segments stay until rank 1 has attached
+    except BaseException as err:  # report every failure to the parent, which asserts on it
+        results.put((rank, "error", repr(err), foreign[:1]))
+    finally:
+        if foreign and not Path(gone).exists():  # the leader failed before its scan ended
+            _posixshmem.shm_unlink(f"/{foreign[0]}")
+        if torch_dist.is_initialized():
+            torch_dist.destroy_process_group()
+        atexit._run_exitfuncs()
+
+
+@pytest.mark.dist
+def test_the_ranks_of_a_node_agree_on_the_prefix_when_another_job_exits_between_their_scans(
+    tiny_dataset: str, tmp_path: Path
+) -> None:
+    cfg = DataConfig(uri=tiny_dataset, resolution=64, cache_dir=str(tmp_path / "cache"), num_workers=0)
+    pinned = pin_version(cfg, read_dataset_manifest(cfg))
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["train.data.loader", "torch.distributed"])
+    results = ctx.Queue()
+    args = (pinned, str(tmp_path / "store"))
+    extra = (str(tmp_path / "gone"), str(tmp_path / "another-job"), results)
+    children = [ctx.Process(target=_rank_in_child, args=(*args, rank, *extra)) for rank in range(2)]
+    try:
+        for child in children:
+            child.start()
+        outcomes = sorted(results.get(timeout=JOIN_TIMEOUT_S) for _ in children)
+        for child in children:
+            child.join(JOIN_TIMEOUT_S)
+    finally:
+        for child in children:
+            if child.is_alive():
+                child.kill()
+                child.join()
+    assert [o[1] for o in outcomes] == ["ok", "ok"], outcomes
+    (_, _, leader_prefix, foreign), (_, _, other_prefix, _) = outcomes
+    assert foreign, "the leader's scan never met the other job's registration"
+    from streaming.base.constant import LOCALS
+    from streaming.base.shared.prefix import _get_path
+
+    assert _get_path(leader_prefix, LOCALS) != foreign[0]  # the leader saw the other job's prefix taken
+    assert other_prefix == leader_prefix
+    assert [child.exitcode for child in children] == [0, 0]
+    assert not registrations_of(pinned.local)
