@@ -256,8 +256,9 @@ def _quantiles(values: Any) -> dict[str, float]:
 class PipelineRun:
     seconds: float
     samples: int
-    main_thread: dict[str, float]  # encode.pipeline.MainThreadTimes: seconds by phase
+    main_thread: dict[str, float]  # encode.process.timing.MainThreadTimes: seconds by phase
     launch: dict[str, float]  # ... and the launch phase's seconds by part
+    device: dict[str, float]  # encode.process.timing.DeviceTimeline: busy and idle seconds
 
 
 def time_pipeline(cfg: EncodeConfig, encoders: Encoders) -> PipelineRun:
@@ -272,7 +273,11 @@ def time_pipeline(cfg: EncodeConfig, encoders: Encoders) -> PipelineRun:
         raise RuntimeError(f"encode bench: partitions failed: {summary.failed}")
     # each kept caption is encoded once
     return PipelineRun(
-        summary.seconds, encoders.texts_encoded - before, summary.main_thread, summary.main_thread_launch
+        summary.seconds,
+        encoders.texts_encoded - before,
+        summary.main_thread,
+        summary.main_thread_launch,
+        summary.device,
     )
 
 
@@ -309,7 +314,8 @@ def bench_encode(
 
 
 def main_thread_summary(runs: list[PipelineRun]) -> dict[str, Any]:
-    """The main thread's seconds by phase in the median pipeline run, and each phase's share of that run.
+    """The main thread's seconds by phase in the median pipeline run, each phase's share of that run, and how
+    busy the device was in it.
 
     At the bound on a GPU the main thread mostly waits: for the device (models are the slowest stage) or for
     the workers (decoding is). Its own work (`launch`, `writing`, `publishing`) is what the device waits for
@@ -318,11 +324,18 @@ def main_thread_summary(runs: list[PipelineRun]) -> dict[str, Any]:
     run = sorted(runs, key=lambda r: r.seconds)[len(runs) // 2]
     phases = {name: round(s, 4) for name, s in run.main_thread.items()}
     share = lambda s: s / run.seconds if run.seconds else 0.0  # noqa: E731
+    busy, idle = run.device["busy"], run.device["idle"]
     return {
         "main_thread_s": phases,
         "main_thread_share": {name: share(s) for name, s in phases.items()},
         # `launch` by part (text tower, stacking the pixel batch, the VAE's copy and kernels queued)
         "main_thread_launch_share": {name: share(s) for name, s in run.launch.items()},
+        # The device's side of the same run: idle between model calls (waiting for the host to queue the
+        # next) as a share of the time from its first call to its last, and the models' rate while busy,
+        # to set against `models_serial_samples_per_s` (the same models alone)
+        "device_s": {"busy": round(busy, 4), "idle": round(idle, 4)},
+        "device_idle_share": idle / (busy + idle) if busy + idle else 0.0,
+        "device_busy_samples_per_s": run.samples / busy if busy else 0.0,
     }
 
 

@@ -12,11 +12,9 @@ import logging
 import os
 import time
 from collections import Counter, deque
-from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any
 
 from encode.config import EncodeConfig
 from encode.plan.fingerprints import (
@@ -30,13 +28,13 @@ from encode.plan.fingerprints import (
 )
 from encode.process.encoders import Encoders, HostArrays, load_encoders
 from encode.process.prepare import PartitionEnd, PreparedBatch, PreparedSample, PreparedStream, keep_as_is
+from encode.process.timing import MainThreadTimes
 from encode.process.writer import PartitionWriter, remove_stale_staging
 from encode.sources import Partition, list_partitions
 from shared.manifest import Layout
 from shared.runtime.children import die_with_parent
 
 log = logging.getLogger("encode")
-T = TypeVar("T")
 
 
 @dataclass
@@ -51,6 +49,7 @@ class RankSummary:
     seconds: float = 0.0
     main_thread: dict[str, float] = field(default_factory=dict)  # MainThreadTimes.seconds
     main_thread_launch: dict[str, float] = field(default_factory=dict)  # MainThreadTimes.launch_parts
+    device: dict[str, float] = field(default_factory=dict)  # DeviceTimeline.seconds: busy, idle
 
     @property
     def samples_written(self) -> int:
@@ -79,47 +78,6 @@ class RankInfo:
 IN_FLIGHT_BATCHES = 3  # batches queued on the device while the host writes an earlier one's rows
 
 
-class MainThreadTimes:
-    """Where the main thread's seconds go, by phase: `waiting_for_workers` (the next batch not prepared
-    yet), `launch` (queueing the models), `waiting_for_device` (results not there yet), `writing` (rows into
-    MDS) and `publishing` (closing a partition's shards, handing it to the uploader). On a GPU a pipeline at
-    its bound spends its time waiting for the slowest stage; anything else is host work the device waited
-    for."""
-
-    PHASES = ("waiting_for_workers", "launch", "waiting_for_device", "writing", "publishing")
-    # `launch` taken apart: the text tower's call, stacking a batch's images into one (pinned) host tensor,
-    # and the VAE's call (the copy to the device and the encoder's kernels queued)
-    LAUNCH_PARTS = ("text", "pixel_batch", "vae")
-
-    def __init__(self) -> None:
-        self.seconds = dict.fromkeys(self.PHASES, 0.0)
-        self.launch_parts = dict.fromkeys(self.LAUNCH_PARTS, 0.0)
-
-    def phase(self, name: str) -> AbstractContextManager[None]:
-        return _adding_seconds(self.seconds, name)
-
-    def launch_part(self, name: str) -> AbstractContextManager[None]:
-        return _adding_seconds(self.launch_parts, name)
-
-    def items(self, iterable: Iterable[T]) -> Iterator[T]:
-        it = iter(iterable)
-        while True:
-            with self.phase("waiting_for_workers"):
-                item = next(it, None)
-            if item is None:
-                return
-            yield item
-
-
-@contextmanager
-def _adding_seconds(into: dict[str, float], name: str) -> Iterator[None]:
-    start = time.perf_counter()
-    try:
-        yield
-    finally:
-        into[name] += time.perf_counter() - start
-
-
 @dataclass
 class LaunchedBatch:
     """One batch with its text and VAE work queued on the device; `write` collects the results and writes
@@ -129,6 +87,7 @@ class LaunchedBatch:
     samples: list[PreparedSample]
     text: tuple[list[int], HostArrays] | None  # samples without a reused text cell, and their cells
     latents: list[tuple[int, list[int], HostArrays]]  # (resolution, samples, their mean and logvar)
+    spans: list[tuple[Any, Any]]  # each model call's marks on the device (DeviceTimeline)
 
     def write(self, times: MainThreadTimes) -> None:
         with times.phase("waiting_for_device"):
@@ -139,6 +98,7 @@ class LaunchedBatch:
                 means, logvars = pending.arrays()
                 for j, i in enumerate(group):
                     latents[i][res] = (means[j], logvars[j])
+        times.device.account(self.spans)
         with times.phase("writing"):
             for i, sample in enumerate(self.samples):
                 text = texts[i]
@@ -151,10 +111,10 @@ def launch_batch(
 ) -> LaunchedBatch:
     """Queue the text tower and the VAE (once per resolution and shape present) for one batch."""
     todo = [i for i, s in enumerate(samples) if s.text_embedding is None]
-    text = None
+    text, spans = None, []
     if todo:
         captions = [samples[i].text_input for i in todo]
-        with times.launch_part("text"):
+        with times.launch_part("text"), times.on_device(spans):
             text = (todo, encoders.launch_text(captions, writer.cfg.text.store))
     writer.count("text", reused=False, n=len(todo))
     writer.count("text", reused=True, n=len(samples) - len(todo))
@@ -168,11 +128,11 @@ def launch_batch(
         for group in by_shape.values():
             with times.launch_part("pixel_batch"):
                 host = encoders.pixel_batch([samples[i].pixels[res] for i in group])
-            with times.launch_part("vae"):
+            with times.launch_part("vae"), times.on_device(spans):
                 latents.append((res, group, encoders.launch_vae(host)))
         writer.count(f"latents:{res}", reused=False, n=sum(len(g) for g in by_shape.values()))
         writer.count(f"latents:{res}", reused=True, n=sum(res in s.latents for s in samples))
-    return LaunchedBatch(writer, samples, text, latents)
+    return LaunchedBatch(writer, samples, text, latents, spans)
 
 
 def encode_partitions(
@@ -194,7 +154,7 @@ def encode_partitions(
     by_id = {p.partition.id: p for p in plans}
     writers: dict[str, PartitionWriter] = {}
     in_flight: deque[LaunchedBatch] = deque()
-    times = MainThreadTimes()
+    times = MainThreadTimes(encoders.device)
     loader = torch.utils.data.DataLoader(
         PreparedStream(plans, cfg),
         batch_size=None,
@@ -222,6 +182,7 @@ def encode_partitions(
                 finish_partition(writer, item, stages, summary, publisher)
     progress.close()
     summary.main_thread, summary.main_thread_launch = times.seconds, times.launch_parts
+    summary.device = times.device.seconds()
 
 
 def finish_partition(

@@ -37,6 +37,13 @@ def print_rank(summary: RankSummary) -> None:
             )
             spent += f" (launch: {parts})"
         typer.echo(f"{who}: main thread: {spent}")
+    busy, idle = summary.device.get("busy", 0.0), summary.device.get("idle", 0.0)
+    if busy + idle:
+        # Idle here is the device with nothing queued between two model calls: the host was the bound.
+        typer.echo(
+            f"{who}: device: busy {busy:.1f} s ({summary.images_encoded / busy if busy else 0:.1f} img/s), "
+            f"idle {100 * idle / (busy + idle):.0f}% of the time between its first model call and its last"
+        )
     reused_text = sum(m.reused["text"] for m in summary.markers)
     reused_latents = sum(sum(m.reused["latents"].values()) for m in summary.markers)
     if reused_text or reused_latents:

@@ -231,6 +231,10 @@ def test_batches_queued_ahead_write_the_same_rows_in_input_order(
     assert 0 < sum(queued.main_thread.values()) <= queued.seconds
     assert set(queued.main_thread_launch) == set(pipeline.MainThreadTimes.LAUNCH_PARTS)
     assert 0 < sum(queued.main_thread_launch.values()) <= queued.main_thread["launch"]
+    # on CPU the models run inside their calls: the device's busy time is the calls' (DeviceTimeline)
+    parts = queued.main_thread_launch
+    assert 0 < queued.device["busy"] <= parts["text"] + parts["vae"]
+    assert queued.device["idle"] >= 0 and sum(queued.device.values()) <= queued.seconds
     for res in (LOW, HIGH):
         rows, serial = rows_by_key(tmp_path / "queued", res), rows_by_key(tmp_path / "serial", res)
         assert list(rows) == sorted(rows) and list(serial) == sorted(serial)  # input order (keys ascend)

@@ -14,6 +14,9 @@ MARKDOWN_NAME = "bench.md"
 # Below these the findings call a part of the product out as not close to its limit.
 LOADER_HEADROOM = 2.0  # loader images/s over train-step images/s
 NEAR_LIMIT = 0.8  # share of a bound (encode pipeline vs its slowest stage, offline speedup vs ideal)
+# the encode device idle between model calls for this share of its time: the host holds the pipeline
+# (on CPU the "device" is the host, and the flag says only that the models are not the whole run)
+DEVICE_IDLE_SHARE = 0.1
 HOST_WORK_SHARE = 0.05  # host-side work on a device's critical path (Objective.prepare, VAE input prep)
 OUTSIDE_SHARE = 0.10  # Composer's time outside the bare step
 FLOW_ADDED_TARGET = 0.05  # issue 30 item 5: what the Composer batch may add to its step, as a run runs it
@@ -115,6 +118,15 @@ def encode_findings(encode: dict[str, Any]) -> list[str]:
             launch = ", ".join(f"{name.replace('_', ' ')} {_pct(share)}" for name, share in parts.items())
             spent += f" (launch: {launch})"
         notes.append(f"encode main thread: {spent} of the pipeline's time")
+    if device := encode.get("device_s"):
+        idle = encode["device_idle_share"]
+        flag = " - the host is the bound" if idle > DEVICE_IDLE_SHARE else ""
+        notes.append(
+            f"encode device: busy {device['busy']:.2f} s, idle {_pct(idle)} of its time between model calls "
+            f"(waiting for the host); {encode['device_busy_samples_per_s']:,.1f} "
+            f"samples/s while busy against {encode['models_serial_samples_per_s']:,.1f} for the models "
+            f"alone{flag}"
+        )
     if encode["vae_input_share_of_vae"] > HOST_WORK_SHARE:
         notes.append(
             f"encode VAE stage: {_pct(encode['vae_input_share_of_vae'])} of it is host-side pixel conversion "

@@ -115,6 +115,11 @@ def test_bench_writes_json_with_every_section(bench_run: tuple[dict[str, Any], P
     launch = encode["main_thread_launch_share"]  # the launch phase by part: which call holds the host
     assert set(launch) == set(MainThreadTimes.LAUNCH_PARTS)
     assert 0 < sum(launch.values()) <= encode["main_thread_share"]["launch"] + 1e-9
+    # the device's side: on CPU the models run inside their calls, so busy is the calls' time (within
+    # launch's text and vae parts) and idle the rest of the span between the first call and the last
+    device, run_s = encode["device_s"], sorted(encode["pipeline_s"])[len(encode["pipeline_s"]) // 2]
+    assert positive(device["busy"]) and device["busy"] <= (launch["text"] + launch["vae"]) * run_s + 1e-3
+    assert 0 < encode["device_idle_share"] < 1 and positive(encode["device_busy_samples_per_s"])
 
 
 def test_bench_writes_markdown_table(bench_run: tuple[dict[str, Any], Path]) -> None:
@@ -124,6 +129,7 @@ def test_bench_writes_markdown_table(bench_run: tuple[dict[str, Any], Path]) -> 
     assert "| 64 |" in text and "| 128 |" in text and "encode pipeline" in text
     assert "| Composer batch, unsynced |" in text
     assert any(note.startswith("Composer trainer as a run runs it") for note in result["findings"])
+    assert any(note.startswith("encode device: busy") for note in result["findings"])
     assert all(f"- {note}" in text for note in result["findings"])
 
 
