@@ -47,6 +47,8 @@ class DeviceTimeline:
         """Count spans whose results the host has received (so their marks have run on the device), in the
         order they were launched."""
         for start, end in spans:
+            if self.cuda:
+                end.synchronize()  # placed right after the call's copies, which the host has waited for
             if self._last_end is not None:
                 self.idle_s += max(0.0, self._seconds(self._last_end, start))
             self.busy_s += self._seconds(start, end)

@@ -20,6 +20,7 @@ import torch
 from encode.config import EncodeConfig
 from encode.process.encoders import Encoders, largest_image_pixels
 from encode.process.memory import A100_40GB_USABLE, auto_batch, vae_encode_peak_per_image, weights_bytes
+from encode.process.timing import MainThreadTimes
 from shared.config import load_config
 from shared.models import build_text_encoder, build_vae
 from shared.presets import get_preset
@@ -84,11 +85,17 @@ def test_queueing_a_batch_never_waits_for_the_device() -> None:
     captions = ["a photo of a cat"] * 8
     expected_text, expected_mean = encoders.encode_text(captions), encoders.encode_images(pixels)[0]
     torch.cuda.synchronize()
+    times, spans = MainThreadTimes(device), []  # the device timeline's marks may not wait either
     torch.cuda.set_sync_debug_mode("error")
     try:
-        queued = [(encoders.launch_text(captions), encoders.launch_images(pixels)) for _ in range(3)]
+        queued = []
+        for _ in range(3):
+            with times.on_device(spans):
+                queued.append((encoders.launch_text(captions), encoders.launch_images(pixels)))
     finally:
         torch.cuda.set_sync_debug_mode(0)
     for text_out, images_out in queued:
         assert np.array_equal(text_out.arrays()[0], expected_text)
         assert np.array_equal(images_out.arrays()[0], expected_mean)
+    times.device.account(spans)
+    assert times.device.busy_s > 0 and times.device.idle_s >= 0
