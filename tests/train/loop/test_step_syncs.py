@@ -109,7 +109,11 @@ def test_engine_debug_lines_cost_nothing_unless_asked_for(
     from train.loop.events import ENGINE_DEBUG, LeanEngine
 
     monkeypatch.setenv(ENGINE_DEBUG, debug)
-    cfg = tiny_config(tiny_dataset, tmp_path / "save", tmp_path / "cache", "samples.enabled=false")
+    # Grouped, both cases run in one process and pytest hands the second the first's (removed) tmp_path;
+    # Streaming keeps the first trainer's dataset registered for the process's life, so each case needs
+    # its own cache folder.
+    cache = tmp_path / f"cache-{debug or 'off'}"
+    cfg = tiny_config(tiny_dataset, tmp_path / "save", cache, "samples.enabled=false")
     trainer = build_trainer(cfg)
     try:
         lean = type(trainer.engine) is LeanEngine
