@@ -47,6 +47,8 @@ GPU_TESTS: dict[str, int] = {
     "tests/train/loop/test_gpu.py::test_bf16_channels_last_compiled_fsdp_trains_resumes_and_exports": 150,
     "tests/train/loop/test_gpu.py::test_the_step_never_syncs_the_host": 90,
     "tests/train/loop/test_gpu.py::test_trainer_reads_back_only_at_log_and_checkpoint_steps_on_gpu": 90,
+    "tests/train/loop/test_gpu.py"
+    "::test_cuda_graph_step_matches_the_compiled_step_and_trains_in_composer": 150,
     "tests/train/loop/test_gpu_ranks.py::test_two_gpu_fsdp_sharded_checkpoint_resumes_on_one_gpu": 150,
 }
 # `bench full` cut to what the headline needs (step img/s + MFU at 256 and 512 px, encode samples/s,

@@ -79,6 +79,17 @@ class TrainConfig:
     # traces forward and backward into the same graphs and runs them with ATen's kernels: the CPU test suite
     # runs the compiled path through it in seconds instead of minutes of C++ compilation.
     compile_backend: Literal["inductor", "aot_eager"] = "inductor"
+    # inductor's mode (torch.compile's `mode`). default: fused kernels, launched one by one from Python.
+    # reduce-overhead: also captures the compiled forward and backward as CUDA graphs (inductor's cudagraph
+    # trees; a no-op on CPU), one launch per graph instead of thousands of small kernels: what NVIDIA's
+    # MLPerf SD2 does for its whole step. Needs one graph per model call, so no FSDP (its hooks gather and
+    # free weights between blocks) and no gradient accumulation (a graph's replay reuses the memory of the
+    # gradients the last microbatch left). max-autotune(-no-cudagraphs): also benchmarks Triton templates
+    # for each matmul / conv shape at compile time (minutes more per shape). `make bench BENCH=full`'s
+    # `cudagraphs` variant measures reduce-overhead against the recipe.
+    compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = (
+        "default"
+    )
     # U-Net inputs (and, without FSDP, weights) in NHWC layout, which cuDNN convolutions run natively.
     # null: on for GPU runs, off on CPU (logged); true / false: as asked, CPU included (the tests run the GPU
     # layout on CPU ranks). Under FSDP the weights stay NCHW inside the flat parameters, because torch 2.7's
@@ -123,6 +134,24 @@ class TrainConfig:
             )
         if self.device == "cpu" and self.precision.startswith("amp"):
             raise ConfigError(f"precision={self.precision} needs a GPU; CPU training runs precision=fp32")
+        self._check_compile_mode()
+
+    def _check_compile_mode(self) -> None:
+        if self.compile_mode != "default" and self.compile_backend != "inductor":
+            raise ConfigError(
+                f"compile_mode={self.compile_mode} is inductor's; compile_backend={self.compile_backend} has "
+                "no modes: pass compile_backend=inductor, or compile_mode=default"
+            )
+        if self.uses_cuda_graphs() and self.fsdp:
+            raise ConfigError(
+                f"compile_mode={self.compile_mode} captures CUDA graphs, which FSDP's per-block gathers "
+                "break into pieces it cannot replay: pass fsdp=false (one GPU, or DDP), or "
+                "compile_mode=default / max-autotune-no-cudagraphs"
+            )
+
+    def uses_cuda_graphs(self) -> bool:
+        """compile_mode captures the compiled U-Net's calls as CUDA graphs (on a GPU, when compiled)."""
+        return self.compile_mode in ("reduce-overhead", "max-autotune")
 
     def _check_model(self) -> None:
         try:

@@ -26,6 +26,7 @@ from train.data.mix import (
     pin_streams,
     read_stream_manifests,
 )
+from train.model.compile_plan import check_cuda_graphs
 
 log = logging.getLogger(__name__)
 
@@ -169,6 +170,7 @@ def prepare_run(cfg: TrainConfig) -> RunContext:
     device = resolve_device(cfg)
     precision = resolve_precision(cfg, device)
     batching = derive_batching(cfg.global_batch_size, world_size(), cfg.device_microbatch_size)
+    check_cuda_graphs(cfg, device, batching.grad_accum)
     manifest, pinned, streams = prepare_data(cfg)
     run_name = cfg.resolved_run_name()
     ctx = RunContext(

@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from diffusers.models.resnet import ResnetBlock2D
@@ -111,8 +111,22 @@ def forget_compiled_code() -> None:
     `make bench` builds several models and resolutions in one process, where their cache entries pile up on
     the blocks' shared code objects past the limit and later blocks silently run eagerly (on the H200 the
     Composer section's blocks did: 188 ms a step against the step section's 136 ms). Inductor's on-disk
-    cache stays, so compiling again is a cache hit."""
+    cache stays, so compiling again is a cache hit. The CUDA graphs compile_mode=reduce-overhead captured go
+    too, with their memory pool: torch 2.7's dynamo reset leaves them."""
     torch._dynamo.reset()
+    if torch.cuda.is_initialized():  # no graph without CUDA; the trees' thread-local state needs CUDA's
+        from torch._inductor.cudagraph_trees import reset_cudagraph_trees
+
+        reset_cudagraph_trees()
+
+
+def compile_options(cfg: TrainConfig) -> dict[str, Any]:
+    """torch.compile's arguments. `mode` only when not default: a backend other than inductor takes none
+    (TrainConfig refuses compile_mode with one)."""
+    options: dict[str, Any] = {"backend": cfg.compile_backend, "dynamic": False}
+    if cfg.compile_mode != "default":
+        options["mode"] = cfg.compile_mode
+    return options
 
 
 def compile_unet(unet: torch.nn.Module, cfg: TrainConfig) -> None:
@@ -125,11 +139,11 @@ def compile_unet(unet: torch.nn.Module, cfg: TrainConfig) -> None:
     if cfg.compile_scope == "unet" or cfg.fsdp:
         if cfg.compile_scope == "blocks":
             log.info("compile_scope=blocks: per-block FSDP already makes each block its own graph")
-        unet.compile(backend=cfg.compile_backend, dynamic=False)
+        unet.compile(**compile_options(cfg))
         return
     units = fsdp_units(unet)
     for unit in units:
-        unit.compile(backend=cfg.compile_backend, dynamic=False)
+        unit.compile(**compile_options(cfg))
     # Every unit's compiled call is one code object (nn.Module._call_impl) whose cache holds an entry per
     # block shape (and input strides) and per transformer block (their guards check the attention
     # processor's identity): SD2's 38 units make 31 (34 in NHWC), over dynamo's default limit of 8, past

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from shared.config import ConfigError
 from train.config import TrainConfig
 
 
@@ -11,6 +12,24 @@ def use_compile(cfg: TrainConfig, device: str) -> bool:
     if cfg.compile is None:
         return device == "gpu"
     return cfg.compile
+
+
+def cuda_graph_refusal(cfg: TrainConfig, grad_accum: int) -> str:
+    """Why this run cannot capture CUDA graphs ("" when it can, or does not try): a replay writes its
+    outputs, the parameters' gradients among them, into the memory the previous replay used, so a gradient
+    accumulated over microbatches would be overwritten (torch then raises on reading it)."""
+    if not cfg.uses_cuda_graphs() or grad_accum <= 1:
+        return ""
+    return (
+        f"compile_mode={cfg.compile_mode} captures CUDA graphs, which cannot accumulate gradients over "
+        f"microbatches ({grad_accum} per step here): set device_microbatch_size to the per-rank batch, or "
+        "compile_mode=default / max-autotune-no-cudagraphs"
+    )
+
+
+def check_cuda_graphs(cfg: TrainConfig, device: str, grad_accum: int) -> None:
+    if use_compile(cfg, device) and (why := cuda_graph_refusal(cfg, grad_accum)):
+        raise ConfigError(why)
 
 
 def compile_plan_line(cfg: TrainConfig, device: str = "gpu") -> str:
@@ -23,6 +42,10 @@ def compile_plan_line(cfg: TrainConfig, device: str = "gpu") -> str:
         graphs = "the whole U-Net as one graph"
         if cfg.compile_scope == "blocks":
             graphs = "each ResNet / transformer block as its own graph, one per shape (the glue eager)"
+    if cfg.compile_mode != "default":
+        graphs += f", mode {cfg.compile_mode}"
+        if cfg.uses_cuda_graphs():
+            graphs += " (each graph captured as a CUDA graph on its first steps)"
     cache = cfg.compile_cache_dir or "inductor's default per-node /tmp folder (set compile_cache_dir)"
     return (
         f"compile ({cfg.compile_backend}): the first step also compiles the U-Net's forward and backward, "

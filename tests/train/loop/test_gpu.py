@@ -6,7 +6,9 @@ sync inside the step (issue 11).
   and cuDNN autotuning is on;
 - the step (objective, U-Net forward and backward, optimizer) under `torch.cuda.set_sync_debug_mode`, with
   its warnings turned into errors: not one sync;
-- the real trainer on the GPU: read-backs only at log and checkpoint steps, as on CPU.
+- the real trainer on the GPU: read-backs only at log and checkpoint steps, as on CPU;
+- compile_mode=reduce-overhead (CUDA graphs): the step's losses are the default-mode compiled step's, no
+  graph is left uncaptured, and Composer's loop (clipping, EMA, checkpoints) trains and resumes on it.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from tests.train.loop.test_step_syncs import LOG_EVERY, SAVE_AT, STEPS, run_coun
 from train.bench.step import StepBench, synthetic_latent_batch, train_step
 from train.export.pipeline import export_pipeline
 from train.loop.trainer import fit
+from train.model.assemble import forget_compiled_code
 from train.model.kernels import is_compiled, max_graphs_under_fsdp, unwrapped
 
 pytestmark = pytest.mark.gpu
@@ -39,6 +42,8 @@ PRODUCTION = (
     "compile=true",
     "samples.enabled=false",
 )
+# one microbatch per step: a graph's replay reuses the memory the last microbatch's gradients are in
+CUDA_GRAPHS = ("compile_mode=reduce-overhead", "device_microbatch_size=8")
 
 
 def gpu_config(data: str, base: Path, *extra: str) -> Any:
@@ -104,3 +109,39 @@ def test_trainer_reads_back_only_at_log_and_checkpoint_steps_on_gpu(
     assert set(counts.steps_with("train/")) <= flush_steps
     for step in sorted(set(range(1, STEPS + 1)) - flush_steps):
         assert counts.at(step) == {}, step
+
+
+def test_cuda_graph_step_matches_the_compiled_step_and_trains_in_composer(
+    tiny_dataset: str, tmp_path: Path
+) -> None:
+    setup = resolve_device_setup("gpu", "amp_bf16", channels_last=True)
+    losses = {}
+    for mode in ("default", "reduce-overhead"):
+        forget_compiled_code()
+        torch._dynamo.utils.counters.clear()
+        torch.manual_seed(0)
+        bench = StepBench(
+            gpu_config(tiny_dataset, tmp_path / mode, f"compile_mode={mode}"), setup, online=False
+        )
+        batch = synthetic_latent_batch(get_preset("tiny"), 64, 4, setup, 0)
+        # cudagraph trees run the first call eagerly, record the second, replay from the third on
+        steps = [train_step(bench.model, bench.optimizer, batch, setup).detach().float() for _ in range(5)]
+        losses[mode] = torch.stack(steps).cpu()
+        assert torch._dynamo.utils.counters["inductor"]["cudagraph_skips"] == 0, mode
+        del bench
+    # the same inductor kernels, launched from a graph; cuDNN may pick other conv algorithms per process
+    torch.testing.assert_close(losses["reduce-overhead"], losses["default"], rtol=1e-2, atol=0)
+
+    forget_compiled_code()
+    first = fit(
+        gpu_config(tiny_dataset, tmp_path / "fit", *CUDA_GRAPHS, "max_duration=6ba", "save_interval=3ba")
+    )
+    assert torch._dynamo.utils.counters["inductor"]["cudagraph_skips"] == 0
+    assert int(first.state.timestamp.batch) == 6
+    resumed = fit(
+        gpu_config(tiny_dataset, tmp_path / "fit", *CUDA_GRAPHS, "max_duration=9ba", "save_interval=3ba")
+    )
+    assert int(resumed.state.timestamp.batch) == 9
+    lines = (tmp_path / "fit" / "save" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == list(range(1, 10))
+    assert all(math.isfinite(json.loads(line)["loss"]) for line in lines)

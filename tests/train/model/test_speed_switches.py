@@ -154,3 +154,50 @@ def test_sd2_recipes_compile_on_gpu_only_and_the_plan_says_what_it_costs(
     folder = use_compile_cache(str(tmp_path / "cache"))
     assert os.environ[INDUCTOR_CACHE_ENV] == folder and Path(folder).is_dir()
     assert os.environ[TRITON_CACHE_ENV] == str(Path(folder) / "triton")
+
+
+def test_compile_mode_reaches_torch_compile_and_cuda_graphs_refuse_what_they_cannot_replay(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """compile_mode is passed to torch.compile as inductor's `mode` (spied: inductor on CPU is minutes of
+    C++, and CUDA graphs need a GPU: tests/train/loop/test_gpu.py runs them). Refused up front, naming the
+    fix: a mode with a backend that has none, CUDA graphs under FSDP, and CUDA graphs with gradient
+    accumulation (the train job at start and the dry-run plan)."""
+    from shared.config import ConfigError, load_config
+    from shared.launch.plan import LaunchOptions
+    from train.config import TrainConfig
+    from train.launch import plan_train
+    from train.model.compile_plan import check_cuda_graphs
+
+    seen: list[dict[str, object]] = []
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **options: seen.append(options))
+    graphs = ("compile=true", "compile_backend=inductor", "compile_mode=reduce-overhead")
+    model_and_batch(*graphs)
+    assert seen == [{"backend": "inductor", "dynamic": False, "mode": "reduce-overhead"}]
+    seen.clear()
+    model_and_batch("compile=true", "compile_backend=aot_eager")
+    assert seen == [{"backend": "aot_eager", "dynamic": False}]  # default: no mode argument at all
+
+    with pytest.raises(ConfigError, match="has no modes: pass compile_backend=inductor"):
+        tiny_config("unused", "unused", "unused", "compile_backend=aot_eager", "compile_mode=max-autotune")
+    with pytest.raises(ConfigError, match="pass fsdp=false"):
+        tiny_config("unused", "unused", "unused", *graphs, "fsdp=true")
+    autotuned = tiny_config(
+        "unused", "unused", "unused", "fsdp=true", "compile_mode=max-autotune-no-cudagraphs"
+    )
+    assert not autotuned.uses_cuda_graphs()
+
+    cfg = tiny_config("unused", "unused", "unused", *graphs)
+    check_cuda_graphs(cfg, "gpu", 1)
+    with pytest.raises(ConfigError, match="set device_microbatch_size to the per-rank batch"):
+        check_cuda_graphs(cfg, "gpu", 2)
+    check_cuda_graphs(tiny_config("unused", "unused", "unused", *graphs[1:]), "cpu", 2)  # compile off on CPU
+    assert "mode reduce-overhead (each graph captured as a CUDA graph" in compile_plan_line(cfg)
+
+    recipe = [f"save_folder={tmp_path}", "fsdp=false", "compile_mode=reduce-overhead"]
+    accumulating = plan_train(
+        "sd2-base-256", [*recipe, "device_microbatch_size=4"], LaunchOptions(8, "local")
+    )
+    assert any("cannot accumulate gradients over microbatches" in why for why in accumulating.refusals)
+    single = load_config(TrainConfig, "sd2-base-256", [*recipe, "device_microbatch_size=256"], kind="train")
+    assert single.uses_cuda_graphs() and "CUDA graph" in compile_plan_line(single)
