@@ -31,6 +31,9 @@ from train.data.streaming_host import read_shm
 PROCESSES = 8
 JOIN_TIMEOUT_S = 60.0
 MAX_PREFIXES_SCANNED = 4096
+# Imported once in the forkserver, not in each child: train.data.loader imports Streaming lazily, and
+# Streaming's import (torchvision with it) takes ~3 s of CPU per process.
+PRELOAD = ["train.data.loader", "torch.distributed", "streaming"]
 
 
 def _build_in_child(pinned: PinnedData, store: str, barrier: Any, results: Any) -> None:
@@ -74,7 +77,7 @@ def test_datasets_built_at_the_same_instant_do_not_collide(tiny_dataset: str, tm
         cfg = DataConfig(uri=tiny_dataset, resolution=64, cache_dir=str(tmp_path / f"c{i}"), num_workers=0)
         pinned.append(pin_version(cfg, read_dataset_manifest(cfg)))
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["train.data.loader", "torch.distributed"])
+    ctx.set_forkserver_preload(PRELOAD)
     barrier, results = ctx.Barrier(PROCESSES), ctx.Queue()
     children = [
         ctx.Process(target=_build_in_child, args=(p, str(tmp_path / f"store{i}"), barrier, results))
@@ -170,7 +173,7 @@ def test_the_ranks_of_a_node_agree_on_the_prefix_when_another_job_exits_between_
     cfg = DataConfig(uri=tiny_dataset, resolution=64, cache_dir=str(tmp_path / "cache"), num_workers=0)
     pinned = pin_version(cfg, read_dataset_manifest(cfg))
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["train.data.loader", "torch.distributed"])
+    ctx.set_forkserver_preload(PRELOAD)
     results = ctx.Queue()
     args = (pinned, str(tmp_path / "store"))
     extra = (str(tmp_path / "gone"), str(tmp_path / "another-job"), results)
