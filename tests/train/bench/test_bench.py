@@ -323,3 +323,25 @@ def test_every_section_compiles_its_model_as_a_fresh_train_process(tmp_path: Pat
         result = run_bench(cfg)
     assert {"32", "64"} <= set(result["train"]) and {"32", "64"} <= set(result["text_store"])
     assert positive(result["trainer"]["bare_step_s"])
+
+
+def test_a_cuda_graph_variant_counts_the_graphs_inductor_left_uncaptured(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A compile_mode=reduce-overhead variant whose graphs inductor ran uncaptured (on CPU every one; on a
+    GPU an input mutated in place, a CPU tensor) is not what its name says: the entry and the finding say
+    so. (Run for real on CPU by hand: `make bench` with the variant compiled by inductor, ~6 min.)"""
+    from tests.train.conftest import tiny_config
+    from train.bench.anatomy.report import variant_findings
+    from train.bench.anatomy.section import CUDAGRAPH_SKIPS, graphs_skipped
+
+    monkeypatch.setitem(torch._dynamo.utils.counters["inductor"], CUDAGRAPH_SKIPS, 2)
+    graphs = tiny_config("unused", "unused", "unused", "compile=true", "compile_mode=reduce-overhead")
+    assert graphs_skipped(graphs, "cpu") == {CUDAGRAPH_SKIPS: 2}
+    assert graphs_skipped(tiny_config("unused", "unused", "unused", "compile=true"), "cpu") == {}
+    run = {"gain": 1.0, "mfu": None, "top_level_aten_ops_per_step": 950, "images_per_s_per_device": 11.4}
+    (line,) = variant_findings({"256": {"recipe": run, "cudagraphs": run | {CUDAGRAPH_SKIPS: 2}}}, "recipe")
+    assert (
+        line.count("not captured") == 1
+        and "cudagraphs 1.00x (11.4 img/s, 950 top-level ops, 2 graph(s)" in line
+    )

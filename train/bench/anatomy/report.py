@@ -64,7 +64,9 @@ def variant_findings(variants: dict[str, Any], baseline: str) -> list[str]:
             launches = f", {run['top_level_aten_ops_per_step']:,.0f} top-level ops"
             rate = f"{run['images_per_s_per_device']:,.1f} img/s"
             first = f", first step {run['first_step_s']:.1f} s" if "first_step_s" in run else ""
-            parts.append(f"{name} {run['gain']:.2f}x ({rate}{mfu}{launches}{proxy}{first})")
+            skipped = run.get("cudagraph_skips")
+            graphs = "" if not skipped else f", {skipped} graph(s) not captured as CUDA graphs: see the log"
+            parts.append(f"{name} {run['gain']:.2f}x ({rate}{mfu}{launches}{proxy}{first}{graphs})")
         line = f"{res} px, full step with clipping and EMA, gain over {baseline}: {'; '.join(parts)}"
         best = max((run["mfu"] or 0.0) for run in runs.values())
         if res in MFU_TARGETS and any(run["mfu"] is not None for run in runs.values()):

@@ -111,6 +111,18 @@ def proxies(step: FullStep, variant: TrainConfig, cpu_autocast_proxy: bool) -> d
     return {key: tally[key] for key in keys}
 
 
+# inductor's count of compiled graphs it ran without capturing them (the log says why: a CPU tensor, an
+# input mutated in place, ...); only then is a compile_mode=reduce-overhead variant not what it says
+CUDAGRAPH_SKIPS = "cudagraph_skips"
+
+
+def graphs_skipped(variant: TrainConfig, kind: str) -> dict[str, int]:
+    """A variant that captures CUDA graphs: how many graphs inductor left uncaptured (every one on CPU)."""
+    if not (variant.uses_cuda_graphs() and use_compile(variant, kind)):
+        return {}
+    return {CUDAGRAPH_SKIPS: int(torch._dynamo.utils.counters["inductor"][CUDAGRAPH_SKIPS])}
+
+
 def bench_variants(
     cfg: BenchConfig,
     recipe: TrainConfig,
@@ -129,6 +141,7 @@ def bench_variants(
         timed: dict[str, Any] = {}
         for name, variant in runs.items():
             forget_compiled_code()
+            torch._dynamo.utils.counters["inductor"].pop(CUDAGRAPH_SKIPS, None)
             progress(f"anatomy {res} px: {name} (a compiled variant compiles first) ...")
             step = full_step(variant, setup, res, batch_size, cfg.seed)
             first = time_calls(step.run, 0, 1, setup).median  # a compiled variant compiles in it
@@ -142,6 +155,7 @@ def bench_variants(
                 "mfu": mfu(flops[res].unet_train_step, rate, peak),
                 "top_level_aten_ops_per_step": profile_steps(step, 1)["top_level_aten_ops_per_step"],
                 **proxies(step, variant, plan.cpu_autocast_proxy),
+                **graphs_skipped(variant, setup.kind),
             }
             del step
             _free()
