@@ -8,7 +8,8 @@ sync inside the step (issue 11).
   its warnings turned into errors: not one sync;
 - the real trainer on the GPU: read-backs only at log and checkpoint steps, as on CPU;
 - compile_mode=reduce-overhead (CUDA graphs): the step's losses are the default-mode compiled step's, no
-  graph is left uncaptured, and Composer's loop (clipping, EMA, checkpoints) trains and resumes on it.
+  graph is left uncaptured, and Composer's loop (clipping, EMA, checkpoints, sample grids) trains and
+  resumes on it.
 """
 
 from __future__ import annotations
@@ -133,11 +134,16 @@ def test_cuda_graph_step_matches_the_compiled_step_and_trains_in_composer(
     torch.testing.assert_close(losses["reduce-overhead"], losses["default"], rtol=1e-2, atol=0)
 
     forget_compiled_code()
+    # with sample grids: the EMA swapped in place, eval-mode calls of the same compiled U-Net in between
+    grids = ("samples.enabled=true", "samples.interval=3ba", "samples.steps=2")
     first = fit(
-        gpu_config(tiny_dataset, tmp_path / "fit", *CUDA_GRAPHS, "max_duration=6ba", "save_interval=3ba")
+        gpu_config(
+            tiny_dataset, tmp_path / "fit", *CUDA_GRAPHS, *grids, "max_duration=6ba", "save_interval=3ba"
+        )
     )
     assert torch._dynamo.utils.counters["inductor"]["cudagraph_skips"] == 0
     assert int(first.state.timestamp.batch) == 6
+    assert len(list((tmp_path / "fit" / "save" / "samples").glob("ba*.png"))) == 2  # at 3 and 6
     resumed = fit(
         gpu_config(tiny_dataset, tmp_path / "fit", *CUDA_GRAPHS, "max_duration=9ba", "save_interval=3ba")
     )
