@@ -5,6 +5,8 @@ whichever text.store it has); the unconditional embedding is the manifest's `emp
 exactly what caption dropout trained on (text.store=tokens computes that same embedding online). The
 starting noise is fixed by `samples.seed`, so grids compare over training.
 
+A compiled U-Net renders eagerly (`uncompiled`): grids are not worth a compile of their own shape.
+
 The text tower, its tokenizer and the VAE are loaded when the trainer is built (`preload`), before any
 collective: local rank 0 first (a hub id downloads into the node's cache), the other ranks of the node after
 it, from that copy. Loading them at the first render (step 5000 of the recipe) would run a download inside
@@ -206,7 +208,7 @@ class SampleRenderer(Callback):
         # The square grid keeps its name; each bucket's grid is named by its pixel shape (ba<step>-HxW.png).
         shapes = {"": self.latent_shape, **{f"-{name}": s for name, s in self.bucket_shapes.items()}}
         for suffix, shape in shapes.items():
-            with use_ema_weights(state), get_precision_context(state.precision):
+            with use_ema_weights(state), get_precision_context(state.precision), uncompiled():
                 was_training = state.model.training
                 state.model.eval()
                 try:
@@ -248,6 +250,14 @@ class SampleRenderer(Callback):
             shape,
             torch.Generator().manual_seed(self.cfg.seed),
         )
+
+
+def uncompiled() -> contextlib.AbstractContextManager[Any]:
+    """The U-Net called eagerly inside: a grid calls it in eval mode at its own batch and shape, where a
+    compiled U-Net (static shapes) would compile another graph (minutes for SD2 on a cold cache, and under
+    compile_mode=reduce-overhead another captured graph and its memory) to save a few seconds of eager
+    calls every few thousand steps."""
+    return torch.compiler.set_stance("force_eager")
 
 
 LOADED_MARKER = ".loaded-{host}-{launch}"  # one per node and per launch: ranks of a new launch never see it
