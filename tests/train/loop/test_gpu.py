@@ -134,7 +134,8 @@ def test_cuda_graph_step_matches_the_compiled_step_and_trains_in_composer(
     torch.testing.assert_close(losses["reduce-overhead"], losses["default"], rtol=1e-2, atol=0)
 
     forget_compiled_code()
-    # with sample grids: the EMA swapped in place, eval-mode calls of the same compiled U-Net in between
+    # with sample grids between steps: the EMA swapped in place, the captured U-Net called eagerly in
+    # eval mode (train/export/samples.py `uncompiled`), then training replays its graphs again
     grids = ("samples.enabled=true", "samples.interval=3ba", "samples.steps=2")
     first = fit(
         gpu_config(
