@@ -39,7 +39,7 @@ from shared.launch.supervisor import Supervision
 from train.config import TrainConfig, time_count
 from train.data.mix import data_cost_factor, plan_lines
 from train.eval.cost import plan_line as eval_plan_line
-from train.model.compile_plan import compile_plan_line, cuda_graph_refusal, use_compile
+from train.model.compile_plan import compile_plan_line, cuda_graph_refusal
 from train.resilience.plan import RunShape, exit_lead_s, resilience_lines, total_steps
 
 DEFAULT_GPU_TYPE = "A100-40GB"  # the planner's reference GPU (jobs/estimate/sd2-base.yaml)
@@ -93,7 +93,7 @@ def plan_train(
         plan.cluster, notes = cluster_lines(cfg, topology, plan.batching, write_gb_per_s)
         plan.notes += notes
         device = "cpu" if cfg.device == "cpu" else "gpu"
-        if use_compile(cfg, device) and (why := cuda_graph_refusal(cfg, plan.batching.grad_accum)):
+        if why := cuda_graph_refusal(cfg, device, plan.batching.grad_accum):
             plan.refuse(why)
     plan.memory, warning = memory_plan_line(cfg, topology.world_size, gpu_type)
     plan.notes += [warning] if warning else []

@@ -14,11 +14,11 @@ def use_compile(cfg: TrainConfig, device: str) -> bool:
     return cfg.compile
 
 
-def cuda_graph_refusal(cfg: TrainConfig, grad_accum: int) -> str:
+def cuda_graph_refusal(cfg: TrainConfig, device: str, grad_accum: int) -> str:
     """Why this run cannot capture CUDA graphs ("" when it can, or does not try): a replay writes its
     outputs, the parameters' gradients among them, into the memory the previous replay used, so a gradient
     accumulated over microbatches would be overwritten (torch then raises on reading it)."""
-    if not cfg.uses_cuda_graphs() or grad_accum <= 1:
+    if not (cfg.uses_cuda_graphs() and use_compile(cfg, device)) or grad_accum <= 1:
         return ""
     return (
         f"compile_mode={cfg.compile_mode} captures CUDA graphs, which cannot accumulate gradients over "
@@ -28,7 +28,7 @@ def cuda_graph_refusal(cfg: TrainConfig, grad_accum: int) -> str:
 
 
 def check_cuda_graphs(cfg: TrainConfig, device: str, grad_accum: int) -> None:
-    if use_compile(cfg, device) and (why := cuda_graph_refusal(cfg, grad_accum)):
+    if why := cuda_graph_refusal(cfg, device, grad_accum):
         raise ConfigError(why)
 
 
