@@ -121,6 +121,18 @@ def kill_all(pids: Sequence[int]) -> None:
             os.kill(pid, signal.SIGKILL)  # SIGKILL also ends a SIGSTOPped process
 
 
+def wait_exited(pids: Iterable[int], timeout_s: float = RANK_EXIT_GRACE_S) -> list[int]:
+    """Wait until the processes have exited; those still running after `timeout_s`. A SIGKILLed process
+    maps its files until the kernel has torn it down: a /dev/shm sweep right after the kill kept what it
+    still mapped."""
+    deadline = time.monotonic() + timeout_s
+    left = [pid for pid in pids if alive(pid)]
+    while left and time.monotonic() < deadline:
+        time.sleep(0.02)
+        left = [pid for pid in left if alive(pid)]
+    return left
+
+
 def processes_whose_environ(match: Callable[[bytes], bool], keep: Iterable[int] = ()) -> list[int]:
     """Processes outside `keep` with an environment entry (`NAME=value` bytes) that `match` accepts."""
     kept, found = set(keep), []
@@ -140,14 +152,19 @@ def strays(control_folder: Path, keep: Iterable[int]) -> list[int]:
     return processes_whose_environ(marker.__eq__, keep)
 
 
-def _shm_mappings(pids: Iterable[int]) -> Iterator[tuple[int, str]]:
-    """(inode, path) of each /dev/shm file the processes map, from /proc/<pid>/maps."""
+FileId = tuple[int, int]  # (st_dev, st_ino): an inode number alone is unique only within one file system
+
+
+def _shm_mappings(pids: Iterable[int]) -> Iterator[tuple[FileId, str]]:
+    """(file id, path) of each /dev/shm file the processes map, from /proc/<pid>/maps (its device field is
+    `major:minor` in hex)."""
     for pid in pids:
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(OSError, ValueError):
             for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
                 parts = line.split(maxsplit=5)
                 if len(parts) == 6 and parts[5].startswith(SHM):
-                    yield int(parts[4]), parts[5].removesuffix(" (deleted)")
+                    major, minor = (int(half, 16) for half in parts[3].split(":"))
+                    yield (os.makedev(major, minor), int(parts[4])), parts[5].removesuffix(" (deleted)")
 
 
 def mapped_shm(pids: Iterable[int]) -> set[str]:
@@ -158,20 +175,24 @@ def mapped_shm(pids: Iterable[int]) -> set[str]:
 
 
 def unmapped_shm(paths: Iterable[str]) -> set[str]:
-    """Those of `paths` (listed before this call) that no process maps now. Compared by inode: glibc's
+    """Those of `paths` (listed before this call) that no process maps now. Compared by file id: glibc's
     sem_open maps a temporary file and only then links it under the semaphore's name, so the creator's maps
     show the temporary name, deleted (by name, every semaphore looked unmapped until a second process
-    opened it, and a live one of another job was taken)."""
-    inodes = {path: inode for path in paths if (inode := _inode(path)) is not None}
-    in_use = {inode for inode, _ in _shm_mappings(all_pids())}
-    return {path for path, inode in inodes.items() if inode not in in_use}
+    opened it, and a live one of another job was taken). The device counts too: every tmpfs numbers its
+    inodes from 2, so processes with a /dev/shm of their own (another node's, a container's) map files with
+    the same inode numbers (by inode alone, the two-node test kept three orphans of node 0's while node 1
+    still ran)."""
+    ids = {path: file_id for path in paths if (file_id := _file_id(path)) is not None}
+    in_use = {file_id for file_id, _ in _shm_mappings(all_pids())}
+    return {path for path, file_id in ids.items() if file_id not in in_use}
 
 
-def _inode(path: str) -> int | None:
+def _file_id(path: str) -> FileId | None:
     try:
-        return os.stat(path, follow_symlinks=False).st_ino
+        info = os.stat(path, follow_symlinks=False)
     except OSError:
         return None
+    return info.st_dev, info.st_ino
 
 
 def orphan_semaphores(since: float) -> set[str]:

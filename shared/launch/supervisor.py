@@ -48,6 +48,7 @@ from shared.launch.ranks import (
     stopped,
     strays,
     unmapped_shm,
+    wait_exited,
 )
 from shared.runtime.exits import torchrun_argv
 from shared.storage.safety import NODE_TMPDIR_ENV
@@ -152,6 +153,7 @@ class Supervisor:
         found = strays(self.folder, keep)
         if found:
             kill_all(found)
+            wait_exited(found)  # before a /dev/shm sweep: a dying process still maps what it used
             self.log(f"ended {len(found)} process(es) killed ranks had left running (pids {found})")
 
     def watch_shm(self) -> None:
