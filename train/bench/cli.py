@@ -8,7 +8,6 @@ import typer
 
 from shared.config import ConfigError
 from train.bench.config import DEFAULT_CONFIG, load_bench_config
-from train.bench.report import render_markdown, write_outputs
 
 
 def bench_command(
@@ -25,8 +24,9 @@ def bench_command(
         config, overrides = DEFAULT_CONFIG, [config, *overrides]
     try:
         cfg = load_bench_config(config, overrides)
-        # Imported here, in the command: the runner pulls in torch and composer, and `python -m train --help`
-        # (which registers this command) must not pay for them.
+        # Imported here, in the command: the runner and the report pull in torch and composer, and every
+        # `python -m train` command (which registers this one) must not pay for them.
+        from train.bench.report import render_markdown, write_outputs
         from train.bench.run import run_bench
 
         result = run_bench(cfg)

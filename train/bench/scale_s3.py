@@ -40,9 +40,6 @@ S3_RUN_RECIPE, S3_RUN_PRESET, S3_RUN_RESOLUTION = "tiny", "tiny", 64  # any mode
 S3_RUN_BATCH = 2
 CHECKPOINT_WINDOWS = 2  # step windows after a checkpoint that carry its mirror sync and pruning
 START_UP_STEPS = 1  # the first step window holds the run's start-up requests
-# Composer polls for a finished upload every 30 s before it writes `latest`; the bench's run is tiny and
-# its uploads take well under a second, so 30 s polls would only add idle time to `make bench`.
-UPLOAD_POLL_S = 1.0
 UPLOAD_TIMEOUT_S = 120  # a stalled upload (a checkpoint deleted before Composer saw it) fails in 2 minutes
 
 
@@ -108,8 +105,7 @@ def fit_counting_requests(cfg: TrainConfig) -> dict[int, dict[str, int]]:
     counter = RequestsPerStep()
     trainer.state.callbacks.append(counter)
     saver = trainer._checkpoint_saver
-    if saver is not None:  # Composer's own test hooks (see UPLOAD_POLL_S)
-        saver._symlink_upload_wait_before_next_try_in_seconds = UPLOAD_POLL_S
+    if saver is not None:  # Composer's own test hook (the job polls uploads every second already)
         saver.upload_timeout_in_seconds = UPLOAD_TIMEOUT_S
     try:
         trainer.fit()

@@ -41,6 +41,12 @@ LATEST_NAME = "latest-rank0.pt"
 # 4), and autoresume then found no checkpoint. Only rank 0 writes a pointer; it is LATEST_NAME.
 LATEST_PATTERN = "latest-rank{rank}.pt"
 SYMLINK_SUFFIX = ".symlink"
+# Composer's CheckpointSaver writes an s3:// folder's `latest` pointer only once it has polled that the
+# checkpoint's upload finished, every 30 s (a private attribute, which its own tests lower). So a stop
+# waited up to 30 s after its upload (of the signal's lead time before the kill), every run's end as long,
+# and a crash in that window resumed from the checkpoint before. The one rank that writes the pointer
+# (global rank 0) then makes one HEAD request a second while an upload runs.
+LATEST_POLL_S = 1.0
 CHECKPOINT_FILENAME = "ep{epoch}-ba{batch}-rank{rank}.pt"
 CHECKPOINT_SUFFIX = ".pt"
 SCRATCH_PREFIX = "sd-ckpt-"
@@ -57,6 +63,12 @@ class CheckpointError(FileNotFoundError):
 class UnsafeCheckpointError(RuntimeError):
     """A checkpoint (or the `latest` pointer to one) exists but cannot be loaded safely; the message names
     the file and the fix. Raised instead of starting fresh, so a broken `latest` is never overwritten."""
+
+
+def poll_uploads_promptly(saver: Any) -> None:
+    """Composer's CheckpointSaver polls for a finished upload every LATEST_POLL_S, not 30 s."""
+    if saver is not None and hasattr(saver, "_symlink_upload_wait_before_next_try_in_seconds"):
+        saver._symlink_upload_wait_before_next_try_in_seconds = LATEST_POLL_S
 
 
 def is_sharded_checkpoint(path: str) -> bool:

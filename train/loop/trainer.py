@@ -27,6 +27,7 @@ from shared.storage.transfers import libraries_retry_like_us
 from train.checkpoints.files import (
     CHECKPOINT_FILENAME,
     LATEST_PATTERN,
+    poll_uploads_promptly,
 )
 from train.checkpoints.layouts import conform_optimizer_state
 from train.checkpoints.sharded import composer_loads_safely, fsdp_checkpoint_options
@@ -346,6 +347,7 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
             compile_config=None,  # cfg.compile compiles the U-Net alone (train/model/assemble.py)
             fsdp_no_sync=cfg.fsdp_no_sync,  # accumulation without per-microbatch collectives (step.py)
         )
+    poll_uploads_promptly(trainer._checkpoint_saver)  # `latest` within a second of an upload
     # After the saver: progress.json and a stop name the checkpoint where it lives (s3:// too).
     trainer.state.callbacks.append(StopAfterSave(monitor, trainer._checkpoint_saver, cfg.save_folder))
     conform_optimizer_state(trainer.state.optimizers)  # AdamW moments loaded in another layout

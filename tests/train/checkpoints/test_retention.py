@@ -15,7 +15,7 @@ from composer.loggers import Logger
 
 from shared import storage
 from tests.train.conftest import tiny_config
-from train.checkpoints.files import find_latest_checkpoint
+from train.checkpoints.files import LATEST_POLL_S, find_latest_checkpoint
 from train.checkpoints.retention import CheckpointRetention
 
 UPLOAD_TIMEOUT_S = 120
@@ -113,9 +113,9 @@ def test_s3_keep_1_ends_with_only_the_newest_and_makes_no_requests_between_check
     counter = RequestsPerStep()
     trainer.state.callbacks.append(counter)
     saver = trainer._checkpoint_saver
-    # Composer's own test hook: poll for finished uploads every second, not every 30 s; and a stall (a
+    # The job polls for finished uploads every second (train/checkpoints/files.py LATEST_POLL_S); a stall (a
     # checkpoint deleted before Composer saw it) fails the test in 2 minutes instead of hanging an hour.
-    saver._symlink_upload_wait_before_next_try_in_seconds = 1.0
+    assert saver._symlink_upload_wait_before_next_try_in_seconds == LATEST_POLL_S
     saver.upload_timeout_in_seconds = UPLOAD_TIMEOUT_S
     try:
         trainer.fit()
