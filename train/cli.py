@@ -71,8 +71,10 @@ def _user_errors() -> tuple[type[Exception], ...]:
 
 def classify(err: BaseException) -> Stop | None:
     """Expected stops of train commands (shared/runtime/exits.py): the message names the fix; None: a bug."""
-    from train.resilience.exits import ResumableStop, resumable_exit_code
+    from train.resilience.exits import ResumableStop, peer_lost, resumable_exit_code
 
+    if lost := peer_lost(err):  # another rank died: one line, exit 1 as before (torchrun restarts)
+        return Stop(1, prefix="", message=lost)
     if isinstance(err, ResumableStop):  # saved on a signal or a deadline: one line (rank 0's), rerun
         # 75, or 0 under a supervisor that exits 75 itself (torchrun restarts ranks that exit non-zero)
         return Stop(resumable_exit_code(), prefix="", quiet=int(os.environ.get("RANK", "0")) != 0)

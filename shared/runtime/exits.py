@@ -47,6 +47,7 @@ class Stop:
     code: int
     prefix: str = "error: "
     quiet: bool = False  # print nothing (another process says it, e.g. global rank 0 for every rank)
+    message: str | None = None  # printed instead of the exception's own text
 
 
 Classify = Callable[[BaseException], Stop | None]
@@ -106,7 +107,7 @@ def _guarded(command: Callable[..., Any], classify: Classify) -> Callable[..., A
             if stop is None or debug_enabled():
                 raise
             if not stop.quiet:
-                typer.echo(f"{stop.prefix}{err}", err=True)
+                typer.echo(f"{stop.prefix}{stop.message or err}", err=True)
             raise typer.Exit(stop.code) from None
 
     run._guarded = True  # type: ignore[attr-defined]

@@ -86,6 +86,62 @@ def test_classify_knows_the_expected_stops() -> None:
     assert classify(KeyError("x")) is None
 
 
+# Two gloo ranks; rank 1 dies between two all-reduces, as a rank killed by the OOM killer or kill -9 does.
+PEER_DIES = """
+import os, sys, torch, torch.distributed as dist
+from train.resilience.exits import peer_lost
+rank = int(os.environ["RANK"])
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=rank, world_size=2)
+dist.all_reduce(torch.ones(4))
+if rank == 1:
+    os._exit(9)
+try:
+    dist.all_reduce(torch.ones(4))
+except Exception as err:
+    print(peer_lost(err))
+"""
+GLOO = "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:{}] {}"
+
+
+def closing_barrier_error() -> RuntimeError:
+    """Composer's closing barrier fails while the step's collective error is handled (a chained error)."""
+    try:
+        try:
+            raise RuntimeError(GLOO.format(525, "Read error [127.0.0.1]:56518: Connection reset by peer"))
+        except RuntimeError as step:
+            raise RuntimeError(GLOO.format(589, "Connection closed by peer")) from step
+    except RuntimeError as barrier:
+        return barrier
+
+
+def test_a_rank_whose_peer_died_says_so_in_one_line_not_a_traceback(tmp_path, monkeypatch) -> None:
+    """Each surviving rank of a job that lost one printed two tracebacks (its collective's, then Composer's
+    closing barrier's); now one line each, exit 1 as before (torchrun restarts every rank)."""
+    env = {**os.environ, "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"}
+    argv = [sys.executable, "-c", PEER_DIES, str(tmp_path / "store")]
+    pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
+    ranks = [subprocess.Popen(argv, cwd=REPO_ROOT, env={**env, "RANK": str(r)}, **pipes) for r in (0, 1)]
+    out, err = ranks[0].communicate(timeout=120)
+    ranks[1].wait(timeout=60)
+    assert out.startswith("rank 0: a collective with the other ranks failed ("), out + err
+    assert "another rank died or stopped answering" in out and "gloo/transport" not in out
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "3")
+    error = closing_barrier_error()
+    stop = classify(error)
+    assert stop is not None and (stop.code, stop.prefix) == (1, "")
+    assert stop.message == (
+        "rank 3: a collective with the other ranks failed (RuntimeError: Connection closed by peer): "
+        "another rank died or stopped answering; its own lines say why (SD_DEBUG=1 shows this rank's "
+        "traceback)"
+    )
+    result = CliRunner().invoke(_app(error), ["go"])
+    assert result.exit_code == 1 and result.output.strip() == stop.message
+    monkeypatch.setenv("WORLD_SIZE", "1")  # one process: no peer to lose; a bug keeps its traceback
+    assert classify(error) is None
+
+
 def test_a_wrong_value_on_the_real_cli_is_one_line_before_any_work(tmp_path) -> None:
     """The issue's example: `make train ARGS='optimizer.lr=-1 ...'` ended in a torch traceback after building
     everything; now one line, exit 2, and with --debug the traceback."""

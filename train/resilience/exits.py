@@ -6,6 +6,7 @@ Light (no torch): train/cli.py imports it to record errors no restart can fix.
 from __future__ import annotations
 
 import os
+import re
 
 from shared.launch import control
 
@@ -44,3 +45,39 @@ def record_exit(state: str, batch: int, message: str) -> None:
 
 def record_fatal(err: BaseException) -> None:
     record_exit("fatal", -1, f"{type(err).__name__}: {err}")
+
+
+# What a collective raises on the ranks that are left when another rank dies or its node is lost: gloo's
+# transport errors (RuntimeError "[.../gloo/transport/tcp/pair.cc:525] Read error [addr]: Connection reset by
+# peer", or a timeout while a peer is stopped) and torch's distributed errors (NCCL's included).
+_DIST_ERRORS = ("DistError", "DistBackendError", "DistNetworkError", "DistStoreError")
+_GLOO_SOURCE = re.compile(r"^\[[^\]]*gloo[^\]]*\]\s*")
+
+
+def _is_collective_failure(err: BaseException) -> bool:
+    kind = type(err)
+    if kind.__name__ in _DIST_ERRORS and kind.__module__.startswith("torch"):
+        return True
+    return isinstance(err, RuntimeError) and "/gloo/transport/" in str(err)
+
+
+def peer_lost(err: BaseException) -> str | None:
+    """One line for a rank whose collective failed because another rank is gone (killed, OOM, its node lost,
+    stopped): the rank that died says why in its own lines and the supervisor says what it does next. Each
+    surviving rank printed two full tracebacks (the collective's, then Composer's closing barrier's), so one
+    dead rank of 256 buried its own cause under 255 x 2 of them. None: not that (or one process)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) < 2:
+        return None
+    chain, seen = [], err
+    while seen is not None and len(chain) < 8:  # the closing barrier's error, then the step's it interrupted
+        chain.append(seen)
+        seen = seen.__cause__ or seen.__context__
+    failed = next((each for each in chain if _is_collective_failure(each)), None)
+    if failed is None:
+        return None
+    detail = _GLOO_SOURCE.sub("", str(failed).strip().splitlines()[0] if str(failed).strip() else "")
+    rank = os.environ.get("RANK", "?")
+    return (
+        f"rank {rank}: a collective with the other ranks failed ({type(failed).__name__}: {detail}): another "
+        "rank died or stopped answering; its own lines say why (SD_DEBUG=1 shows this rank's traceback)"
+    )

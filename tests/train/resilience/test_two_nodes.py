@@ -274,6 +274,8 @@ def run_failures(job: Job) -> None:
     restarts = [line for line in node0.text().splitlines() if "torchrun restarted every node's ranks" in line]
     assert len(restarts) >= 3, restarts  # the crash, the hang, the lost node (a rendezvous may retry)
     assert took < COLLECTIVE_TIMEOUT_S
+    for node in (node0, node1, replacement):  # the ranks left behind by each failure: a line each
+        assert "Traceback" not in node.text(), node.text()[-5000:]
     for node in (node0, replacement):
         assert_nothing_left(node)
     assert processes_naming(node1.folder) == []  # lost whole: its earlier generations' strays were ended
