@@ -109,9 +109,7 @@ def kill_ranks_first(parent: int, grace_s: float = RANK_EXIT_GRACE_S) -> None:
     tree = descendants(parent)
     ranks = [pid for pid in tree if _parent_of(pid) == parent]
     kill_all(ranks)
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline and any(alive(pid) for pid in tree if pid not in ranks):
-        time.sleep(0.1)
+    wait_exited([pid for pid in tree if pid not in ranks], grace_s)
     kill_all(tree)
 
 
@@ -121,16 +119,14 @@ def kill_all(pids: Sequence[int]) -> None:
             os.kill(pid, signal.SIGKILL)  # SIGKILL also ends a SIGSTOPped process
 
 
-def wait_exited(pids: Iterable[int], timeout_s: float = RANK_EXIT_GRACE_S) -> list[int]:
-    """Wait until the processes have exited; those still running after `timeout_s`. A SIGKILLed process
-    maps its files until the kernel has torn it down: a /dev/shm sweep right after the kill kept what it
-    still mapped."""
+def wait_exited(pids: Iterable[int], timeout_s: float = RANK_EXIT_GRACE_S) -> None:
+    """Wait until the processes have exited, at most `timeout_s`. A SIGKILLed process maps its files until
+    the kernel has torn it down: a /dev/shm sweep right after the kill kept what it still mapped."""
     deadline = time.monotonic() + timeout_s
     left = [pid for pid in pids if alive(pid)]
     while left and time.monotonic() < deadline:
         time.sleep(0.02)
         left = [pid for pid in left if alive(pid)]
-    return left
 
 
 def processes_whose_environ(match: Callable[[bytes], bool], keep: Iterable[int] = ()) -> list[int]:

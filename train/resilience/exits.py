@@ -75,7 +75,7 @@ def peer_lost(err: BaseException) -> str | None:
     failed = next((each for each in chain if _is_collective_failure(each)), None)
     if failed is None:
         return None
-    detail = _GLOO_SOURCE.sub("", str(failed).strip().splitlines()[0] if str(failed).strip() else "")
+    detail = _GLOO_SOURCE.sub("", next(iter(str(failed).strip().splitlines()), ""))
     rank = os.environ.get("RANK", "?")
     return (
         f"rank {rank}: a collective with the other ranks failed ({type(failed).__name__}: {detail}): another "
