@@ -130,7 +130,8 @@ class EncoderConfig:
     # fp16 by up to 0.0035 = 0.27-0.43 std, 0.1-0.14% of values by > 0.1 std, nothing overflowed.
     precision: Literal["fp32", "fp16", "bf16"] = "fp16"
     # Images per model call; 0: the most the GPU's memory holds at the largest resolution (encode/process/
-    # memory.py auto_batch: 88 on a 40 GB A100 at 512 px, 184 on an 80 GB H100), 32 off a GPU.
+    # memory.py: one image's bytes measured on the GPU at start; ~48 on a 40 GB A100 at 512 px, 96 on an
+    # 80 GB H100, 176 on an H200), 32 off a GPU.
     batch_size: int = allowed(32, ge=0)
     # The VAE's GroupNorms in the inference dtype instead of autocast's fp32 (shared/norms.py): half their
     # bytes, no NHWC -> NCHW copy around each on CUDA. Acts only under autocast (GPU fp16 / bf16); CPU runs

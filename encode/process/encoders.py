@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -24,7 +23,7 @@ from encode.process.memory import (
     BATCH_HEADROOM,
     CPU_AUTO_BATCH,
     auto_batch,
-    vae_encode_peak_per_image,
+    measured_bytes_per_image,
     weights_bytes,
 )
 from shared import contract
@@ -113,6 +112,7 @@ class Encoders:
     # How many captions / images went through each model in this process (tests and metrics read these).
     texts_encoded: int = 0
     images_encoded: int = 0
+    halved_batches: int = 0  # batches split in two after running out of GPU memory (`_posterior`)
     batch_size: int = CPU_AUTO_BATCH  # what `encoder.batch_size: 0` resolved to (load_encoders)
 
     def shapes(self, resolution: int, store: str = "embeddings") -> contract.Shapes:
@@ -176,9 +176,40 @@ class Encoders:
         """The device side of `launch_images`, from `pixel_batch`'s batch."""
         self.images_encoded += len(host)
         with torch.inference_mode(), self._autocast():
-            batch = pixels_to_vae_input(host.to(self.device, non_blocking=True), self.vae.dtype)
-            dist = self.vae.encode(batch).latent_dist
-            return HostArrays([dist.mean.float(), dist.logvar.float()])
+            return HostArrays(list(self._posterior(host.to(self.device, non_blocking=True))))
+
+    def _padded_posterior(self, pixels: torch.Tensor, pad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """A compiled encoder has one static graph per image size at `batch_size`: a short batch (a
+        partition's last) runs padded with blank images (`pad`) instead of compiling a graph of its own."""
+        images = len(pixels)
+        short = self.batch_size - images
+        if pad and short > 0 and self.vae.encoder._compiled_call_impl is not None:
+            pixels = torch.cat([pixels, pixels.new_zeros((short, *pixels.shape[1:]))])
+        dist = self.vae.encode(pixels_to_vae_input(pixels, self.vae.dtype)).latent_dist
+        return dist.mean[:images].float(), dist.logvar[:images].float()
+
+    def _posterior(self, pixels: torch.Tensor, pad: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mean, logvar) in float32 of uint8 NHWC `pixels` on the device. A batch the GPU has no memory for
+        (another process on it, a cuDNN workspace the sizing did not see) runs as two halves, so a long
+        encode slows down instead of failing; the log says so once, naming encoder.batch_size."""
+        try:
+            return self._padded_posterior(pixels, pad)
+        except torch.OutOfMemoryError:
+            if len(pixels) == 1:
+                raise
+        # Outside the except block: its traceback would keep the failed batch's tensors alive.
+        torch.cuda.empty_cache()
+        if not self.halved_batches:
+            log.warning(
+                "out of GPU memory on a batch of %d images: encoding it in halves; set encoder.batch_size "
+                "below %d if this repeats (encoder.batch_size: 0 measures at start what fits)",
+                len(pixels), len(pixels),
+            )  # fmt: skip
+        self.halved_batches += 1
+        half = len(pixels) // 2
+        # unpadded: padding a half back to the full batch would run out of memory again
+        first, second = self._posterior(pixels[:half], False), self._posterior(pixels[half:], False)
+        return torch.cat([first[0], second[0]]), torch.cat([first[1], second[1]])
 
     def empty_caption_embedding(self) -> np.ndarray:
         """The embedding train swaps in for caption dropout (classifier-free guidance)."""
@@ -197,44 +228,64 @@ def load_encoders(cfg: EncodeConfig) -> Encoders:
     ids = EncoderIds(
         vae=weights_fingerprint(vae), text=text.fingerprint(), tokenizer=tokenizer_fingerprint(text)
     )
-    batch = cfg.encoder.batch_size or batch_from_memory(vae, text, largest_image_pixels(cfg), device)
     vae.to(device)
     if device.type == "cuda":
         vae.to(memory_format=torch.channels_last)
-    speed_up_vae(vae, cfg.encoder.low_precision_norms, cfg.encoder.compile)
+    speed_up_vae(vae, cfg.encoder.low_precision_norms, compile=False)
     text.to(device)
-    return Encoders(preset, vae, text, device, cfg.encoder.precision, ids, batch_size=batch)
+    encoders = Encoders(preset, vae, text, device, cfg.encoder.precision, ids)
+    encoders.batch_size = cfg.encoder.batch_size or batch_from_memory(encoders, largest_image_size(cfg))
+    sizes = len(image_sizes(cfg))
+    speed_up_vae(vae, False, cfg.encoder.compile, sizes)  # after the probe's batches: no graph for those
+    return encoders
 
 
-def largest_image_pixels(cfg: EncodeConfig) -> int:
-    """Pixels of the largest image the VAE meets: the largest resolution's square or bucket."""
+def image_sizes(cfg: EncodeConfig) -> set[tuple[int, int]]:
+    """(H, W) px of every image size the VAE meets: each resolution's square or its buckets."""
     buckets = cfg.transform.bucket_lists(cfg.filter.max_aspect_ratio)
-    return max(max((h * w for h, w in buckets.get(r, [])), default=r * r) for r in cfg.transform.resolutions)
+    return {size for r in cfg.transform.resolutions for size in buckets.get(r) or [(r, r)]}
 
 
-def batch_from_memory(vae: Any, text: TextEncoder, pixels: int, device: torch.device) -> int:
-    """`encoder.batch_size: 0`: the batch this GPU's memory holds, from the VAE encoder's computed peak per
-    image at `pixels` (run on the host, before the VAE moves) beside both models' weights."""
+def largest_image_size(cfg: EncodeConfig) -> tuple[int, int]:
+    """(H, W) px of the largest image the VAE meets: the largest resolution's square or bucket."""
+    return max(image_sizes(cfg), key=lambda size: size[0] * size[1])
+
+
+def batch_from_memory(encoders: Encoders, size: tuple[int, int]) -> int:
+    """`encoder.batch_size: 0`: the batch this GPU's memory holds beside both models' weights, from the
+    bytes one image of `size` (H, W) adds to the real encode call's peak, measured on this GPU."""
+    device = encoders.device
     if device.type != "cuda":
         log.info("encoder.batch_size=0: %d per batch (not on a GPU)", CPU_AUTO_BATCH)
         return CPU_AUTO_BATCH
-    per_image = vae_encode_peak_per_image(vae, math.sqrt(pixels))
-    fixed = weights_bytes(vae, text.model)
+    blank = np.zeros((*size, 3), dtype=np.uint8)
+    per_image = measured_bytes_per_image(lambda n: encoders.encode_images([blank] * n), device)
+    encoders.images_encoded = 0  # the probe's images are not the run's
+    fixed = weights_bytes(encoders.vae, encoders.text.model)
     total = torch.cuda.get_device_properties(device).total_memory
     batch = auto_batch(per_image, fixed, total)
     log.info(
-        "encoder.batch_size=0: %d per batch on %s (%.0f MiB of VAE activations per image at %d px, %.1f GB "
-        "of weights, %.0f%% of %.1f GiB)",
-        batch, torch.cuda.get_device_name(device), per_image / 2**20, pixels, fixed / 1e9,
+        "encoder.batch_size=0: %d per batch on %s (%.0f MiB per image at %dx%d px, measured; %.1f GB of "
+        "weights; %.0f%% of %.1f GiB)",
+        batch, torch.cuda.get_device_name(device), per_image / 2**20, *size, fixed / 1e9,
         100 * BATCH_HEADROOM, total / 2**30,
     )  # fmt: skip
     return batch
 
 
-def speed_up_vae(vae: Any, low_precision_norms: bool, compile: bool) -> None:
+def speed_up_vae(
+    vae: Any, low_precision_norms: bool, compile: bool, image_sizes: int = 1, backend: Any = "inductor"
+) -> None:
     """encoder.low_precision_norms and encoder.compile, in place (after the weights are fingerprinted: the
-    swap keeps every parameter, and the manifest's VAE hash does not depend on either switch)."""
+    swap keeps every parameter, and the manifest's VAE hash does not depend on either switch).
+
+    Compiled with static shapes, one graph per image size (`image_sizes` of them; `Encoders` pads a short
+    batch to the full one): by default dynamo recompiles the second size it meets with symbolic height and
+    width, as the H200 bench did at 512 px after 256 px, and every short last batch of a partition with a
+    symbolic batch."""
     if low_precision_norms:
         use_low_precision_norms(vae)
     if compile:
-        vae.encoder.compile()
+        limit = torch._dynamo.config.recompile_limit
+        torch._dynamo.config.recompile_limit = max(limit, image_sizes)
+        vae.encoder.compile(backend=backend, dynamic=False)

@@ -1,21 +1,18 @@
-"""Computed peak memory of the VAE encoder per image, to size `encoder.batch_size` for a GPU without one.
+"""Peak memory of the VAE encoder per image, to size `encoder.batch_size: 0` on the GPU the encode runs on.
 
-`peak_tensor_bytes` tracks the bytes of every tensor an op returns until the tensor is freed (a torch
-dispatch mode: no GPU, no allocator), and returns the high-water mark. `vae_encode_peak_per_image` runs the
-preset's VAE encoder at a small resolution under bf16 autocast (2 bytes a value like the fp16 that encode
-runs on GPU; group norms stay in fp32 under both) and scales by the pixel count: every activation of the
-encoder's convolutions and norms grows with H x W. Its mid-block attention does not, but on a GPU it runs
-as memory-efficient SDPA and never holds the token x token matrix.
+`measured_bytes_per_image` runs the real encode call (`Encoders.encode_images`: the model, its precision,
+layout and norms as configured) on two small batches of the largest image size and takes the difference of
+their peaks: on CUDA the caching allocator's peak, elsewhere `peak_tensor_bytes`, which tracks the bytes of
+every tensor an op returns until it is freed (a torch dispatch mode: no allocator).
 
-SD2-base's VAE, computed as encode holds it: 20.0 MiB per image at 128 px under bf16 autocast, so 320 MiB
-per image at 512 px; with the VAE (335 MB) and text tower (1.4 GB) in fp32 beside it, batch 88 needs
-29.1 GiB and batch 128 41.6 GiB. (An earlier count, 33.8 / 540 MiB, ran a VAE whose weights required grad:
-autocast then caches a bf16 copy of each weight for the whole region, which encode's frozen VAE never
-holds, and the scaling by pixels multiplied those copies too. The autocast cache is off here, so the count
-does not depend on the caller's requires_grad.) `encoder.batch_size: 0` (what jobs/datasets/laion400m.yaml
-ships) sizes the batch on the GPU it runs on (`auto_batch`, BATCH_HEADROOM of its memory): 88 on a 40 GB
-A100, 184 on an 80 GB H100 at 512 px. The GPU test list measures the real peak at the 40 GB A100's batch
-(tests/encode/test_gpu_encode.py).
+It is measured, not computed on the host, because the host's count misses what CUDA adds. An earlier
+version scaled a CPU count at 128 px (bf16 autocast, 20.0 MiB per image, so 320 MiB at 512 px) and sized
+88 images on a 40 GB A100 and 184 on an 80 GB H100. The GPU test list then ran SD2-base's VAE encoder at
+512 px, fp16, channels_last, batch 88 on an H200 (torch 2.11): 51.4 GiB allocated at its peak, 579 MiB per
+image, 1.8x the count (autocast runs GroupNorm in fp32, and CUDA's GroupNorm kernel copies an NHWC input to
+NCHW). That batch needs 51 GiB on a card with 39.4 GiB, so every GPU would have failed on out-of-memory
+at 512 px. At 579 MiB per image `auto_batch` gives 48 on a 40 GB A100, 96 on an 80 GB H100 and 176 on
+an H200. The GPU test list measures again (tests/encode/test_gpu_encode.py).
 """
 
 from __future__ import annotations
@@ -68,16 +65,28 @@ def peak_tensor_bytes(fn: Callable[[], Any]) -> int:
     return tracker.peak
 
 
-def vae_encode_peak_per_image(vae: Any, resolution: float, at: int = 128, batch: int = 2) -> float:
-    """Bytes of activations per image for the VAE encoder at `resolution` (the side of a square with the
-    image's pixel count), from a run at `at` px."""
-    pixels = torch.randn(batch, 3, at, at)
+# Images in the two probe batches: their peaks' difference is what each image adds, without the weights,
+# the cuDNN workspace or anything else a batch of any size holds.
+PROBE_BATCHES = (2, 4)
 
-    def encode() -> None:
-        with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
-            vae.encode(pixels).latent_dist.mean  # noqa: B018  (the encoder's output, as encode reads it)
 
-    return peak_tensor_bytes(encode) / batch * (resolution / at) ** 2
+def measured_bytes_per_image(encode: Callable[[int], Any], device: torch.device) -> float:
+    """Bytes one more image adds to the peak of `encode(n)` (n images through the real encode call) on
+    `device`."""
+    small, large = PROBE_BATCHES
+    return (_peak_bytes(encode, large, device) - _peak_bytes(encode, small, device)) / (large - small)
+
+
+def _peak_bytes(encode: Callable[[int], Any], images: int, device: torch.device) -> int:
+    if device.type != "cuda":
+        return peak_tensor_bytes(lambda: encode(images))
+    encode(images)  # cuDNN's algorithm search and the allocator's growth, once per shape
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    encode(images)
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - before
 
 
 def weights_bytes(*modules: torch.nn.Module) -> int:

@@ -40,3 +40,34 @@ def test_vae_alone_per_resolution_and_switch() -> None:
             assert run["images_per_s"] > 0 and run["precision_timed"] == "fp32"  # CPU times fp32
             error = run["error_over_std_at_fp16"]  # fp16 under CPU autocast vs strict fp32
             assert 0 <= error["median"] <= error["max"] < 10
+
+
+def test_compiled_encoder_makes_one_static_graph_per_image_size_padding_short_batches() -> None:
+    import numpy as np
+    from torch._dynamo.testing import CompileCounter
+
+    from encode.config import EncodeConfig
+    from encode.process.encoders import image_sizes, load_encoders
+    from shared.config import load_config
+
+    overrides = ["source.uri=unused", "output.uri=unused", "encoder.device=cpu", "encoder.batch_size=4"]
+    cfg = load_config(EncodeConfig, "sample", overrides, kind="datasets")
+    encoders = load_encoders(cfg)
+    rng = np.random.default_rng(0)
+    sizes = sorted(image_sizes(cfg))
+    assert len(sizes) == 2
+    batches = [
+        [rng.integers(0, 256, (*size, 3), dtype=np.uint8) for _ in range(n)]
+        for size in sizes
+        for n in (4, 3, 1)
+    ]
+    eager = [encoders.encode_images(b) for b in batches]
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    speed_up_vae(encoders.vae, False, True, image_sizes=len(sizes), backend=counter)
+    compiled = [encoders.encode_images(b) for b in batches]
+    assert counter.frame_count == len(sizes)  # the short batches ran padded in the full batch's graph
+    for (mean, logvar), (want_mean, want_logvar) in zip(compiled, eager, strict=True):
+        assert mean.shape == want_mean.shape
+        np.testing.assert_allclose(mean, want_mean, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(logvar, want_logvar, rtol=1e-4, atol=1e-5)
