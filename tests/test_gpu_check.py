@@ -106,6 +106,10 @@ def test_the_budget_left_decides_what_still_runs(tmp_path: Path) -> None:
     check = Check(tmp_path, tmp_path / "cache", budget_s=30)
     check.run_test("tests/any.py::test_x", 60, bench_s=28, pytest_args=[])
     assert check.result["tests"]["tests/any.py::test_x"]["outcome"] == "not run"
+    check = Check(tmp_path, tmp_path / "cache", budget_s=50)  # 20 s would be left for a test of 150 s
+    check.run_test("tests/any.py::test_y", 150, bench_s=20, pytest_args=[])
+    entry = check.result["tests"]["tests/any.py::test_y"]
+    assert entry["outcome"] == "not run" and "of the test's 150 s" in entry["reason"]
 
 
 def test_outcomes_from_the_plugins_events() -> None:
