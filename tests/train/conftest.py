@@ -213,18 +213,18 @@ def _one_torch_thread() -> Iterator[None]:
 
 
 @pytest.fixture(autouse=True)
-def _cudnn_benchmark_restored() -> Iterator[None]:
+def _gpu_kernel_settings_restored() -> Iterator[None]:
     """A test that builds a GPU run's model on the host (device kind "gpu", e.g. StepBench) turns on
-    `torch.backends.cudnn.benchmark` for the process, as a real GPU run should (train/model/kernels.py);
-    put it back so a later test in the same process sees the default (test_kernels.py asserts a CPU run
-    leaves it off)."""
+    cuDNN autotuning and TF32 matmuls for the process, as a real GPU run should (train/model/kernels.py);
+    put them back so a later test in the same process sees the defaults (test_kernels.py asserts a CPU run
+    leaves them off)."""
     import torch
 
-    before = torch.backends.cudnn.benchmark
+    before = torch.backends.cudnn.benchmark, torch.backends.cuda.matmul.allow_tf32
     try:
         yield
     finally:
-        torch.backends.cudnn.benchmark = before
+        torch.backends.cudnn.benchmark, torch.backends.cuda.matmul.allow_tf32 = before
 
 
 @pytest.fixture(scope="session")

@@ -37,7 +37,7 @@ from train.data.draws import SAMPLE_SEED
 from train.loop.trainer import build_optimizer
 from train.model.assemble import assemble_model, forget_compiled_code
 from train.model.diffusion import DiffusionModel
-from train.model.kernels import enable_cudnn_benchmark
+from train.model.kernels import use_gpu_kernel_settings
 
 TERA = 1e12
 # Stored posteriors of a real VAE have log-variances around here; only the shape and dtype matter for speed.
@@ -77,7 +77,7 @@ def build_diffusion_model(train_cfg: TrainConfig, setup: DeviceSetup) -> Diffusi
     preset = get_preset(train_cfg.model.preset)
     empty = torch.zeros(preset.text_shape())
     model = assemble_model(train_cfg, setup.kind, preset.scale_factor, empty)
-    enable_cudnn_benchmark(setup.kind)  # as the train job (train/loop/trainer.py build_model)
+    use_gpu_kernel_settings(setup.kind)  # as the train job (train/loop/trainer.py build_model)
     return model.to(setup.device)  # keeps the layout assemble_model chose
 
 

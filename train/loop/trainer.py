@@ -41,7 +41,7 @@ from train.loop.prepare import RunContext, prepare_run
 from train.model.assemble import assemble_model, build_unet  # noqa: F401  (build_unet: re-exported for callers)
 from train.model.compile_plan import use_compile
 from train.model.diffusion import DiffusionModel
-from train.model.kernels import enable_cudnn_benchmark, fit_recompile_limit
+from train.model.kernels import fit_recompile_limit, use_gpu_kernel_settings
 from train.model.online_text import online_text_for
 from train.resilience.signals import restores_signal_handlers
 
@@ -61,7 +61,7 @@ def build_model(ctx: RunContext) -> DiffusionModel:
     empty = torch.from_numpy(ctx.manifest.empty_caption_embedding.astype("float32"))
     online = online_text_for(ctx.manifest, ctx.cfg.model.text_encoder)  # text.store=tokens only
     model = assemble_model(ctx.cfg, ctx.device, ctx.manifest.scale_factor, empty, online)
-    enable_cudnn_benchmark(ctx.device)  # fixed shapes (train/model/kernels.py)
+    use_gpu_kernel_settings(ctx.device)  # fixed shapes (train/model/kernels.py)
     compiled = use_compile(ctx.cfg, ctx.device)
     fit_recompile_limit(model.unet, ctx.cfg.fsdp, compiled)
     buckets = {b for p in [s.pinned for s in ctx.streams] or [ctx.pinned] for b in p.buckets}

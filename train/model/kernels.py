@@ -1,9 +1,14 @@
-"""How the U-Net's GPU kernels are picked: cuDNN autotuning for the run's fixed shapes, and torch.compile's
-graphs under per-block FSDP against dynamo's recompile limit.
+"""How the U-Net's GPU kernels are picked: cuDNN autotuning for the run's fixed shapes, TF32 matmuls as every
+train run has them, and torch.compile's graphs under per-block FSDP against dynamo's recompile limit.
 
 - cuDNN: a training run feeds the U-Net one shape (the resolution and microbatch are fixed, the loader drops
   the last partial batch), so `torch.backends.cudnn.benchmark` times each convolution's algorithms once and
   keeps the fastest for the rest of the run. Sample renders add a few more shapes, each timed once.
+- TF32: Composer's GPU device turns on `torch.backends.cuda.matmul.allow_tf32` in every train run (its
+  `DeviceGPU`). `make bench`'s step sections build no Composer device, so they compiled and timed the U-Net
+  without it. Inductor keys its on-disk cache on that flag, so on the H200 the bench's Composer section missed
+  the cache the step section had just filled and compiled cold again. Both now set it here, before the first
+  compile: the bench times the program a train run runs, and one cache serves both.
 - compile under FSDP: FSDP breaks the compiled U-Net's graph at every FSDP unit (each ResNet and
   transformer block, train/model/assemble.py `is_fsdp_unit`), and dynamo compiles each unit's `forward` into
   one code object's cache: once per distinct shape for ResNet blocks, and once per instance for transformer
@@ -28,10 +33,12 @@ from train.model.assemble import fsdp_units
 log = logging.getLogger(__name__)
 
 
-def enable_cudnn_benchmark(device: str) -> None:
-    """cuDNN autotuning on a GPU run (fixed shapes: module doc); nothing on CPU."""
+def use_gpu_kernel_settings(device: str) -> None:
+    """cuDNN autotuning (fixed shapes) and TF32 matmuls on a GPU run, as Composer's GPU device sets them
+    (module doc); nothing on CPU."""
     if device == "gpu":
         torch.backends.cudnn.benchmark = True
+        torch.backends.cuda.matmul.allow_tf32 = True
 
 
 def unwrapped(module: torch.nn.Module) -> torch.nn.Module:

@@ -11,6 +11,8 @@ of inductor: which graphs dynamo makes does not depend on the backend).
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 from torch._dynamo.testing import CompileCounter
@@ -21,11 +23,11 @@ from shared.presets import SD2_UNET
 from train.bench.scale import microbatch_input, tiny_model
 from train.model.assemble import is_fsdp_unit
 from train.model.kernels import (
-    enable_cudnn_benchmark,
     fit_recompile_limit,
     is_compiled,
     max_graphs_under_fsdp,
     unit_instances,
+    use_gpu_kernel_settings,
 )
 
 
@@ -47,8 +49,19 @@ def test_sd2_blocks_exceed_the_default_recompile_limit() -> None:
         assert fit_recompile_limit(unet, fsdp=False, compile=True) == ""  # not wrapped per block
         warning = fit_recompile_limit(unet, fsdp=True, compile=True)
         assert "recompile_limit of 8" in warning and torch._dynamo.config.recompile_limit == 22
-    enable_cudnn_benchmark("cpu")
+    use_gpu_kernel_settings("cpu")
     assert not torch.backends.cudnn.benchmark  # a CPU run leaves cuDNN alone
+    assert not torch.backends.cuda.matmul.allow_tf32
+
+
+def test_gpu_settings_are_composers_so_the_bench_compiles_what_a_run_compiles() -> None:
+    from composer.devices import DeviceGPU
+
+    # What DeviceGPU's constructor sets before it asks CUDA for a device (composer/devices/device_gpu.py):
+    # inductor's cache key holds the flag, so the bench must set it as every train run has it.
+    assert inspect.signature(DeviceGPU).parameters["allow_tf32"].default is True
+    use_gpu_kernel_settings("gpu")
+    assert torch.backends.cudnn.benchmark and torch.backends.cuda.matmul.allow_tf32
 
 
 def compiled_tiny_under_fsdp(counted: CompileCounter) -> torch.nn.Module:
