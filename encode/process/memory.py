@@ -9,10 +9,11 @@ It is measured, not computed on the host, because the host's count misses what C
 version scaled a CPU count at 128 px (bf16 autocast, 20.0 MiB per image, so 320 MiB at 512 px) and sized
 88 images on a 40 GB A100 and 184 on an 80 GB H100. The GPU test list then ran SD2-base's VAE encoder at
 512 px, fp16, channels_last, batch 88 on an H200 (torch 2.11): 51.4 GiB allocated at its peak, 579 MiB per
-image, 1.8x the count (autocast runs GroupNorm in fp32, and CUDA's GroupNorm kernel copies an NHWC input to
-NCHW). That batch needs 51 GiB on a card with 39.4 GiB, so every GPU would have failed on out-of-memory
-at 512 px. At 579 MiB per image `auto_batch` gives 48 on a 40 GB A100, 96 on an 80 GB H100 and 176 on
-an H200. The GPU test list measures again (tests/encode/test_gpu_encode.py).
+image, 1.8x the count (most likely the NCHW copy CUDA's GroupNorm kernel makes of each fp32 NHWC input,
+which the host's kernel reads in place; not profiled). That batch needs 51 GiB on a card with 39.4 GiB, so
+every GPU would have failed on out-of-memory at 512 px. At 579 MiB per image `auto_batch` gives 48 on a
+40 GB A100, 96 on an 80 GB H100 and 176 on an H200. The GPU test list measures again
+(tests/encode/test_gpu_encode.py).
 """
 
 from __future__ import annotations
