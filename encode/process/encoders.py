@@ -235,8 +235,8 @@ def load_encoders(cfg: EncodeConfig) -> Encoders:
     text.to(device)
     encoders = Encoders(preset, vae, text, device, cfg.encoder.precision, ids)
     encoders.batch_size = cfg.encoder.batch_size or batch_from_memory(encoders, largest_image_size(cfg))
-    sizes = len(image_sizes(cfg))
-    speed_up_vae(vae, False, cfg.encoder.compile, sizes)  # after the probe's batches: no graph for those
+    if cfg.encoder.compile:  # after the probe's batches: no graph for those
+        compile_vae_encoder(vae, len(image_sizes(cfg)))
     return encoders
 
 
@@ -273,19 +273,19 @@ def batch_from_memory(encoders: Encoders, size: tuple[int, int]) -> int:
     return batch
 
 
-def speed_up_vae(
-    vae: Any, low_precision_norms: bool, compile: bool, image_sizes: int = 1, backend: Any = "inductor"
-) -> None:
+def speed_up_vae(vae: Any, low_precision_norms: bool, compile: bool) -> None:
     """encoder.low_precision_norms and encoder.compile, in place (after the weights are fingerprinted: the
-    swap keeps every parameter, and the manifest's VAE hash does not depend on either switch).
-
-    Compiled with static shapes, one graph per image size (`image_sizes` of them; `Encoders` pads a short
-    batch to the full one): by default dynamo recompiles the second size it meets with symbolic height and
-    width, as the H200 bench did at 512 px after 256 px, and every short last batch of a partition with a
-    symbolic batch."""
+    swap keeps every parameter, and the manifest's VAE hash does not depend on either switch)."""
     if low_precision_norms:
         use_low_precision_norms(vae)
     if compile:
-        limit = torch._dynamo.config.recompile_limit
-        torch._dynamo.config.recompile_limit = max(limit, image_sizes)
-        vae.encoder.compile(backend=backend, dynamic=False)
+        compile_vae_encoder(vae)
+
+
+def compile_vae_encoder(vae: Any, image_sizes: int = 1, backend: Any = "inductor") -> None:
+    """encoder.compile: static shapes, one graph per image size (`image_sizes` of them; `Encoders` pads a
+    short batch to the full one). By default dynamo recompiles the second size it meets with symbolic height
+    and width, as the H200 bench did at 512 px after 256 px, and every short last batch of a partition with
+    a symbolic batch."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, image_sizes)
+    vae.encoder.compile(backend=backend, dynamic=False)

@@ -47,7 +47,7 @@ def test_compiled_encoder_makes_one_static_graph_per_image_size_padding_short_ba
     from torch._dynamo.testing import CompileCounter
 
     from encode.config import EncodeConfig
-    from encode.process.encoders import image_sizes, load_encoders
+    from encode.process.encoders import compile_vae_encoder, image_sizes, load_encoders
     from shared.config import load_config
 
     overrides = ["source.uri=unused", "output.uri=unused", "encoder.device=cpu", "encoder.batch_size=4"]
@@ -64,7 +64,7 @@ def test_compiled_encoder_makes_one_static_graph_per_image_size_padding_short_ba
     eager = [encoders.encode_images(b) for b in batches]
     torch._dynamo.reset()
     counter = CompileCounter()
-    speed_up_vae(encoders.vae, False, True, image_sizes=len(sizes), backend=counter)
+    compile_vae_encoder(encoders.vae, len(sizes), backend=counter)
     compiled = [encoders.encode_images(b) for b in batches]
     assert counter.frame_count == len(sizes)  # the short batches ran padded in the full batch's graph
     for (mean, logvar), (want_mean, want_logvar) in zip(compiled, eager, strict=True):
