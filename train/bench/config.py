@@ -22,6 +22,8 @@ class StepBenchConfig:
     batch_size: int = allowed(4, ge=1)  # per device
     # e.g. {512: 16}; else batch_size
     batch_size_by_resolution: dict[str, int] = allowed(default_factory=dict, ge=1)
+    # steps profiled after the timing: device time by phase, op family and kernel, and the device's busy share
+    profile_steps: int = allowed(1, ge=0)
     warmup: int = 1  # untimed steps first (allocator, autotuning, lazy optimizer state)
     repeats: int = allowed(3, ge=1)  # timed steps; the median is reported
     online: bool = True  # also time the on-the-fly-encoding baseline (-> offline speedup)

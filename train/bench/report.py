@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from train.bench.anatomy.buckets import bucket_findings, bucket_rows
-from train.bench.anatomy.report import anatomy_findings, vae_findings
+from train.bench.anatomy.report import anatomy_findings, step_findings, vae_findings
 
 JSON_NAME = "bench.json"
 MARKDOWN_NAME = "bench.md"
@@ -36,8 +36,7 @@ def train_findings(train: dict[str, Any]) -> list[str]:
             notes.append(
                 f"{res} px: precomputing speeds the step up {speedup:.2f}x (ideal from FLOPs {ideal:.2f}x)"
             )
-        if t["mfu"] is not None:
-            notes.append(f"{res} px: offline step MFU {_pct(t['mfu'])} ({t['tflops_per_s']:.1f} TFLOP/s)")
+        notes += step_findings(res, t)
         if "first_step_s" in t:  # a compiled recipe compiles the U-Net's forward and backward in it
             notes.append(
                 f"{res} px: first step {t['first_step_s']:.1f} s (compile and cuDNN autotuning included), "

@@ -5,7 +5,7 @@ measured on its own, in train/bench/data.py):
 - offline: what the train job runs per batch on precomputed latents, on the model the train job builds
   (`train.model.assemble.assemble_model`: same class, layout and compilation from the same TrainConfig):
   `DiffusionModel` forward (`Objective.prepare`: the per-sample draws from the batch's seeds, on the
-  device) + loss + backward + optimizer step;
+  device) + loss + backward + the job's gradient clipping + optimizer step + EMA update (anatomy's FullStep);
 - online: the baseline without precomputing: VAE-encode the pixel batch and run the text tower on token ids,
   then the same step. Tokenizing stays out (an online pipeline does it in its loader workers).
 
@@ -31,6 +31,8 @@ from shared.contract import LATENT_LOGVAR, LATENT_MEAN, TEXT_EMBEDDING
 from shared.models import build_text_encoder, build_unet, build_vae
 from shared.presets import Preset, get_preset, random_init
 from shared.runtime.device import DeviceSetup
+from train.bench.anatomy.ops import FullStep
+from train.bench.anatomy.profile import profile_steps
 from train.bench.config import StepBenchConfig
 from train.config import TrainConfig
 from train.data.draws import SAMPLE_SEED
@@ -45,7 +47,6 @@ SYNTHETIC_LOGVAR = -5.0
 SEED_BOUND = 1 << 62  # sample seeds are non-negative 63-bit integers (train/data/loader.py)
 
 
-# ------------------------------------------------------------------------------------------------ timing
 def progress(message: str) -> None:
     """A line on stderr as the bench goes: one cold compile of SD2's U-Net took over 200 s on an H200."""
     print(f"[bench] {message}", file=sys.stderr, flush=True)
@@ -174,16 +175,6 @@ def encode_on_the_fly(
         TEXT_EMBEDDING: embedding,
         **inputs.seeds,
     }
-
-
-def online_train_step(
-    model: DiffusionModel,
-    optimizer: torch.optim.Optimizer,
-    encoders: tuple[torch.nn.Module, torch.nn.Module],
-    inputs: PixelBatch,
-    setup: DeviceSetup,
-) -> torch.Tensor:
-    return train_step(model, optimizer, encode_on_the_fly(*encoders, inputs, setup), setup)
 
 
 # ------------------------------------------------------------------------------------------------ FLOPs
@@ -325,6 +316,7 @@ class StepBench:
         self.setup = setup
         self.model = build_diffusion_model(train_cfg, setup)
         self.optimizer = build_optimizer(train_cfg, self.model)
+        self.clip_norm, self.ema = train_cfg.optimizer.grad_clip_norm, train_cfg.ema.enabled
         self.encoders = None
         if online:
             vae, text = build_frozen_encoders(self.preset)
@@ -336,11 +328,16 @@ class StepBench:
         setup, model, optimizer = self.setup, self.model, self.optimizer
         batch_size = plan.batch_for(resolution)
         batch = synthetic_latent_batch(self.preset, resolution, batch_size, setup, seed)
-        calls: dict[str, Callable[[], Any]] = {"offline": lambda: train_step(model, optimizer, batch, setup)}
+        # The step as the train job runs it (clipping, EMA): MFU's. `core`: without them, in the same run.
+        full = FullStep.build(model, optimizer, batch, setup, self.clip_norm, self.ema)
+        calls: dict[str, Callable[[], Any]] = {
+            "offline": full.run,
+            "core": lambda: train_step(model, optimizer, batch, setup),
+        }
         if self.encoders is not None:
             inputs = synthetic_pixel_batch(self.preset, resolution, batch_size, setup, seed)
             encoders = self.encoders
-            calls["online"] = lambda: online_train_step(model, optimizer, encoders, inputs, setup)
+            calls["online"] = lambda: full.run(batch=encode_on_the_fly(*encoders, inputs, setup))
         forget_compiled_code()  # each resolution is its own train run, in a process of its own
         if setup.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(setup.device)
@@ -361,6 +358,8 @@ class StepBench:
             # Objective.prepare: the draws from the batch's seeds and the noising, all on the device
             "prepare": prepare.to_json(),
             "prepare_share_of_step": prepare.median / offline.median,
+            "core_step": timings["core"].to_json(),  # without clipping and EMA
+            "clipping_and_ema_share": 1 - timings["core"].median / offline.median,
             "ideal_offline_speedup": flops.ideal_offline_speedup,
         }
         if "online" in timings:
@@ -377,6 +376,10 @@ class StepBench:
             entry["offline_speedup"] = statistics.median(on / off for on, off in pairs)
         if setup.device.type == "cuda":
             entry["peak_memory_gb"] = torch.cuda.max_memory_allocated(setup.device) / 2**30
+        if plan.profile_steps:
+            entry["profile"] = profile_steps(full, plan.profile_steps)
+            if busy := entry["profile"].get("device_seconds_per_step"):
+                entry["profile"]["device_busy_share"] = busy / offline.median
         return entry
 
 

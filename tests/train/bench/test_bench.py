@@ -91,6 +91,10 @@ def test_bench_writes_json_with_every_section(bench_run: tuple[dict[str, Any], P
         assert positive(train["online"]["images_per_s_per_device"]) and positive(train["offline_speedup"])
         assert train["mfu"] is None  # CPU without peak_tflops: MFU is n/a, never a guess
         assert positive(train["first_step_s"])  # where a compiled recipe pays its compile (issue 30 item 3)
+        # the timed step is the job's (clipping and EMA included); `core` without them, in the same run
+        assert positive(train["core_step"]["median_s"]) and train["clipping_and_ema_share"] < 1
+        phases = train["profile"]["seconds_by_phase"]  # each phase of the timed step, profiled
+        assert {"step", "clipping", "optimizer", "ema"} <= set(phases) and all(map(positive, phases.values()))
         assert train["ideal_offline_speedup"] == pytest.approx(result["flops"][res]["ideal_offline_speedup"])
         text_store = result["text_store"][res]  # tokens + tower vs stored embeddings, in the same run
         assert positive(text_store["ratio"]) and text_store["flop_ideal_ratio"] > 1

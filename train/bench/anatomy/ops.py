@@ -77,21 +77,31 @@ class FullStep:
 
     @classmethod
     def build(
-        cls, model: DiffusionModel, optimizer: Any, batch: Any, setup: DeviceSetup, clip: Any
+        cls,
+        model: DiffusionModel,
+        optimizer: Any,
+        batch: Any,
+        setup: DeviceSetup,
+        clip: Any,
+        ema: bool = True,
     ) -> FullStep:
-        step = cls(model, optimizer, batch, setup, clip, NamedEMAStore(model))
+        step = cls(model, optimizer, batch, setup, clip, NamedEMAStore(model) if ema else None)
         if clip is not None:
             step.clipping = GradNormClipping(clip)
             step.state = SimpleNamespace(model=model, optimizers=[optimizer], precision=setup.precision)
             step.clipping.look_up_targets(step.state)
         return step
 
-    def run(self, label: Callable[[str], AbstractContextManager[Any]] | None = None) -> None:
+    def run(
+        self, label: Callable[[str], AbstractContextManager[Any]] | None = None, batch: Any = None
+    ) -> None:
+        """`batch`: another batch than the step's own (the online step's freshly encoded one)."""
         label = label or (lambda _: nullcontext())
+        batch = self.batch if batch is None else batch
         with label("step"):
             self.optimizer.zero_grad(set_to_none=True)
             with self.setup.autocast():
-                loss = self.model.loss(self.model(self.batch), self.batch)
+                loss = self.model.loss(self.model(batch), batch)
             loss.backward()
         if self.clipping is not None:
             with label("clipping"):
@@ -196,59 +206,3 @@ def dispatch_tally(step: FullStep, cpu_autocast_proxy: bool = False) -> Dispatch
         step.run()
     step.setup.sync()
     return tally
-
-
-# ------------------------------------------------------------------------------------------- profiling
-def _phase_of(event: Any) -> str | None:
-    node = event
-    while node is not None:
-        if node.name in PHASES:
-            return node.name
-        node = node.cpu_parent
-    return None
-
-
-def _is_top_level_aten(event: Any) -> bool:
-    if not event.name.startswith("aten::"):
-        return False
-    parent = event.cpu_parent
-    while parent is not None:
-        if parent.name.startswith("aten::"):
-            return False
-        parent = parent.cpu_parent
-    return True
-
-
-def profile_steps(step: FullStep, steps: int) -> dict[str, Any]:
-    """`steps` steps under the torch profiler: top-level ATen ops per step (a GPU launches a kernel for
-    each; inductor's fused kernels are not ATen ops), and self time by phase and by op family (device time
-    on a GPU, CPU time on CPU), in seconds per step."""
-    from torch.autograd.profiler import record_function
-    from torch.profiler import ProfilerActivity, profile
-
-    cuda = step.setup.device.type == "cuda"
-    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
-    with profile(activities=activities) as prof:
-        for _ in range(steps):
-            step.run(record_function)
-        step.setup.sync()
-    by_phase: collections.Counter[str] = collections.Counter()
-    by_family: collections.Counter[str] = collections.Counter()
-    launches: collections.Counter[str] = collections.Counter()
-    for event in prof.events():
-        if not event.name.startswith("aten::"):
-            continue
-        seconds = (event.self_device_time_total if cuda else event.self_cpu_time_total) / 1e6
-        phase = _phase_of(event) or "step"  # unlabelled: the autograd engine's own thread (a GPU backward)
-        by_phase[phase] += seconds / steps
-        by_family[family_of(event.name)] += seconds / steps
-        if _is_top_level_aten(event):
-            launches[phase] += 1
-    time_kind = "device self time" if cuda else "CPU self time"
-    return {
-        "time_kind": time_kind,
-        "top_level_aten_ops_per_step": sum(launches.values()) / steps,
-        "top_level_aten_ops_by_phase": {k: v / steps for k, v in launches.most_common()},
-        "seconds_by_phase": dict(by_phase.most_common()),
-        "seconds_by_family": dict(by_family.most_common()),
-    }

@@ -8,11 +8,33 @@ from typing import Any
 # Issue 30: MFU of the full train step (bf16, clipping and EMA included) on one H100 / H200, by resolution.
 MFU_TARGETS = {"256": 0.35, "512": 0.40}
 LISTED = 4  # families / phases named per line
+DEVICE_FAMILIES_LISTED = 7
 
 
 def _top(shares: dict[str, float], total: float, unit: float = 1000.0) -> str:
     items = sorted(shares.items(), key=lambda kv: -kv[1])[:LISTED]
     return ", ".join(f"{name} {unit * s:.1f} ms ({100 * s / total:.0f}%)" for name, s in items)
+
+
+def step_findings(res: str, step: dict[str, Any]) -> list[str]:
+    """The train section's step at one resolution: MFU against issue 30's target, and on a GPU how busy the
+    device is and which kernels fill it."""
+    lines = []
+    if step["mfu"] is not None:
+        target = MFU_TARGETS.get(res)
+        against = f", target {target:.0%}" if target else ""
+        lines.append(
+            f"{res} px: offline step MFU {step['mfu']:.1%} ({step['tflops_per_s']:.1f} TFLOP/s{against}), "
+            f"clipping and EMA included ({step['clipping_and_ema_share']:.1%} of the step)"
+        )
+    profile = step.get("profile", {})
+    if busy := profile.get("device_busy_share"):
+        families = list(profile["seconds_by_family"].items())[:DEVICE_FAMILIES_LISTED]
+        lines.append(
+            f"{res} px: the device is busy {busy:.0%} of the step (the rest: waiting on the host); kernel "
+            f"time a step by family: {', '.join(f'{name} {1e3 * s:.1f} ms' for name, s in families)}"
+        )
+    return lines
 
 
 def eager_findings(res: int, eager: dict[str, Any]) -> list[str]:

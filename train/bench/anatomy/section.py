@@ -15,7 +15,8 @@ from shared.presets import get_preset
 from shared.runtime.device import DeviceSetup
 from train.bench.anatomy.compiled import compile_anatomy
 from train.bench.anatomy.memory import activation_bytes_per_image, batch_per_gpu
-from train.bench.anatomy.ops import FullStep, cpu_autocast_like_cuda, dispatch_tally, profile_steps
+from train.bench.anatomy.ops import FullStep, cpu_autocast_like_cuda, dispatch_tally
+from train.bench.anatomy.profile import profile_steps
 from train.bench.config import BenchConfig
 from train.bench.step import FlopCounts, StepBench, mfu, progress, synthetic_latent_batch, time_calls
 from train.config import TrainConfig
@@ -38,7 +39,8 @@ def full_step(
     torch.manual_seed(seed)
     bench = StepBench(recipe, setup, online=False)
     batch = synthetic_latent_batch(get_preset(recipe.model.preset), resolution, batch_size, setup, seed)
-    return FullStep.build(bench.model, bench.optimizer, batch, setup, recipe.optimizer.grad_clip_norm)
+    clip = recipe.optimizer.grad_clip_norm
+    return FullStep.build(bench.model, bench.optimizer, batch, setup, clip, recipe.ema.enabled)
 
 
 # The shipped SD2 recipes' sharding (jobs/train/sd2-base-*.yaml) on the published 256 GPUs.
