@@ -54,6 +54,9 @@ class EncodeBenchConfig:
     vae_resolutions: list[int] = allowed(default_factory=list, ge=8)
     vae_batch_size: int = allowed(8, ge=1)
     vae_compile: bool = False  # also the compiled encoder (inductor: minutes of C++ compiling on CPU)
+    # The encode job's speed switches for the pipeline and its stages, e.g. [encoder.compile=true,
+    # encoder.low_precision_norms=true] as jobs/datasets/laion400m.yaml ships them
+    encoder_overrides: list[str] = allowed(default_factory=list)
 
 
 # ----------------------------------------------------------------------------------------------- sources
@@ -70,13 +73,14 @@ def build_source(out_dir: Path, plan: EncodeBenchConfig, seed: int) -> Path:
 
 
 # ---------------------------------------------------------------------------------------------- encoders
-def bench_encoders(preset_name: str, setup: DeviceSetup) -> Encoders:
+def bench_encoders(preset_name: str, setup: DeviceSetup, cfg: EncodeConfig | None = None) -> Encoders:
     """The preset's VAE and text tower, random-initialised, placed as
-    `encode.process.encoders.load_encoders` does."""
+    `encode.process.encoders.load_encoders` does, and with `cfg`'s encoder switches and batch as it applies
+    them (none: the VAE as built)."""
     import torch
 
     from encode.plan.fingerprints import EncoderIds
-    from encode.process.encoders import Encoders
+    from encode.process.encoders import Encoders, compile_vae_encoder, image_sizes, speed_up_vae
     from shared.models import build_text_encoder, build_vae
     from shared.presets import get_preset
 
@@ -86,7 +90,13 @@ def bench_encoders(preset_name: str, setup: DeviceSetup) -> Encoders:
         vae.to(memory_format=torch.channels_last)
     text = build_text_encoder(preset, "transformers").to(setup.device)
     ids = EncoderIds(vae="bench-random-init", text="bench-random-init", tokenizer="bench-random-init")
-    return Encoders(preset, vae, text, setup.device, ENCODER_PRECISION, ids)
+    encoders = Encoders(preset, vae, text, setup.device, ENCODER_PRECISION, ids)
+    if cfg is not None:
+        speed_up_vae(vae, cfg.encoder.low_precision_norms, compile=False)
+        encoders.batch_size = cfg.encoder.batch_size  # a compiled encoder pads short batches to it
+        if cfg.encoder.compile:
+            compile_vae_encoder(vae, len(image_sizes(cfg)))
+    return encoders
 
 
 def encode_config(
@@ -106,6 +116,7 @@ def encode_config(
         f"encoder.precision={ENCODER_PRECISION}",
         f"workers={plan.workers}",
         "progress=false",
+        *plan.encoder_overrides,
     ]
     return load_config(EncodeConfig, plan.dataset, overrides, kind="datasets")
 
@@ -288,13 +299,17 @@ def bench_encode(
     machine load; `images_per_s_per_device` is what the planner reads (samples encoded per second, every
     resolution of a sample included)."""
     source = build_source(work / "source", plan, seed)
-    encoders = bench_encoders(preset_name, setup)
     stage_cfg = encode_config(plan, preset_name, source, work / "stages", setup)
+    encoders = bench_encoders(preset_name, setup, stage_cfg)
     stages, pipeline = [], []
-    for repeat in range(max(plan.repeats, 1)):
-        stages.append(time_stages(stage_cfg, encoders, plan, setup))
-        run_cfg = encode_config(plan, preset_name, source, work / f"encoded-{repeat}", setup)
-        pipeline.append(time_pipeline(run_cfg, encoders))
+    from encode.process.encoders import encode_kernel_settings
+
+    # the encode job's cuDNN settings, not the ones the bench's train sections left behind
+    with encode_kernel_settings(stage_cfg.encoder.compile, setup.device):
+        for repeat in range(max(plan.repeats, 1)):
+            stages.append(time_stages(stage_cfg, encoders, plan, setup))
+            run_cfg = encode_config(plan, preset_name, source, work / f"encoded-{repeat}", setup)
+            pipeline.append(time_pipeline(run_cfg, encoders))
     samples, kept = pipeline[0].samples, stages[0].kept
     if not samples or not kept:
         raise ValueError(

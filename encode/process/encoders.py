@@ -6,10 +6,11 @@ the tower is still loaded, because the manifest records its weights hash and the
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -237,7 +238,27 @@ def load_encoders(cfg: EncodeConfig) -> Encoders:
     encoders.batch_size = cfg.encoder.batch_size or batch_from_memory(encoders, largest_image_size(cfg))
     if cfg.encoder.compile:  # after the probe's batches: no graph for those
         compile_vae_encoder(vae, len(image_sizes(cfg)))
+    use_encode_kernel_settings(cfg.encoder.compile, device)
     return encoders
+
+
+def use_encode_kernel_settings(compiled: bool, device: torch.device) -> None:
+    """cuDNN autotuning (`cudnn.benchmark`) times each convolution's algorithms once per input shape. A
+    compiled encoder meets one shape per image size (short batches are padded): tuned once, kept for the run.
+    Eager batches come in every length a partition's filters leave, each tuned anew: on the H200 the encode
+    pipeline ran its VAE at half its speed alone with autotuning left on by the bench's train sections."""
+    torch.backends.cudnn.benchmark = compiled and device.type == "cuda"
+
+
+@contextlib.contextmanager
+def encode_kernel_settings(compiled: bool, device: torch.device) -> Iterator[None]:
+    """`use_encode_kernel_settings` for a block (the bench runs encode in a train process), then restored."""
+    before = torch.backends.cudnn.benchmark
+    use_encode_kernel_settings(compiled, device)
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.benchmark = before
 
 
 def image_sizes(cfg: EncodeConfig) -> set[tuple[int, int]]:

@@ -3,6 +3,8 @@ alone as `make bench` times it (encode/vae_speed.py), on the tiny preset's VAE o
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from encode.process.encoders import speed_up_vae
@@ -71,3 +73,41 @@ def test_compiled_encoder_makes_one_static_graph_per_image_size_padding_short_ba
         assert mean.shape == want_mean.shape
         np.testing.assert_allclose(mean, want_mean, rtol=1e-4, atol=1e-5)
         np.testing.assert_allclose(logvar, want_logvar, rtol=1e-4, atol=1e-5)
+
+
+def test_cudnn_autotunes_only_a_compiled_encoders_static_shapes() -> None:
+    """Eager batches come in every length a partition leaves: each would be autotuned anew (the H200's
+    pipeline ran its VAE at half its speed alone). A compiled encoder pads to one shape per image size."""
+    from encode.process.encoders import encode_kernel_settings, use_encode_kernel_settings
+
+    before = torch.backends.cudnn.benchmark
+    try:
+        use_encode_kernel_settings(True, torch.device("cuda"))
+        assert torch.backends.cudnn.benchmark
+        with encode_kernel_settings(False, torch.device("cuda")):  # the bench, after its train sections
+            assert not torch.backends.cudnn.benchmark
+        assert torch.backends.cudnn.benchmark  # restored
+        use_encode_kernel_settings(True, torch.device("cpu"))
+        assert not torch.backends.cudnn.benchmark
+    finally:
+        torch.backends.cudnn.benchmark = before
+
+
+def test_the_bench_encodes_with_the_jobs_switches(tmp_path: Path) -> None:
+    """`encode.encoder_overrides` reach the encoders the bench's pipeline and stages run, as load_encoders
+    applies them: norms swapped, the encoder compiled, short batches padded to the config's batch."""
+    from encode.bench import EncodeBenchConfig, bench_encoders, encode_config
+
+    setup = resolve_device_setup("cpu", "fp32", False)
+    plan = EncodeBenchConfig(
+        batch_size=6, encoder_overrides=["encoder.compile=true", "encoder.low_precision_norms=true"]
+    )
+    cfg = encode_config(plan, "tiny", tmp_path / "src", tmp_path / "out", setup)
+    assert cfg.encoder.compile and cfg.encoder.low_precision_norms and cfg.encoder.batch_size == 6
+    encoders = bench_encoders("tiny", setup, cfg)
+    assert (
+        count_low_precision_norms(encoders.vae) > 0 and encoders.vae.encoder._compiled_call_impl is not None
+    )
+    assert encoders.batch_size == 6
+    plain = bench_encoders("tiny", setup)  # the VAE as built, for vae_speed's baseline
+    assert count_low_precision_norms(plain.vae) == 0 and plain.vae.encoder._compiled_call_impl is None
