@@ -95,6 +95,8 @@ def test_bench_writes_json_with_every_section(bench_run: tuple[dict[str, Any], P
         assert positive(train["core_step"]["median_s"]) and train["clipping_and_ema_share"] < 1
         phases = train["profile"]["seconds_by_phase"]  # each phase of the timed step, profiled
         assert {"step", "clipping", "optimizer", "ema"} <= set(phases) and all(map(positive, phases.values()))
+        assert all(not name.startswith("aten::copy_") for name in train["profile"]["copy_callers_s"])
+        assert all(not name.startswith("aten::copy_") for name in train["profile"]["copy_callers_s"])
         assert train["ideal_offline_speedup"] == pytest.approx(result["flops"][res]["ideal_offline_speedup"])
         text_store = result["text_store"][res]  # tokens + tower vs stored embeddings, in the same run
         assert positive(text_store["ratio"]) and text_store["flop_ideal_ratio"] > 1

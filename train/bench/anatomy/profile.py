@@ -78,16 +78,22 @@ def profile_steps(step: FullStep, steps: int) -> dict[str, Any]:
 
 
 def cpu_time(events: Any, steps: int) -> dict[str, Any]:
+    """ATen ops' CPU self time by phase and family, and copies by the op they ran under (the CPU proxy of
+    the GPU's `copy_callers_s`)."""
     by_phase: collections.Counter[str] = collections.Counter()
     by_family: collections.Counter[str] = collections.Counter()
+    copy_callers: collections.Counter[str] = collections.Counter()
     for event in events:
         if event.name.startswith("aten::"):
             seconds = event.self_cpu_time_total / 1e6 / steps
             by_phase[_phase_of(event) or "step"] += seconds
             by_family[family_of(event.name)] += seconds
+            if event.name == "aten::copy_":
+                copy_callers[_copy_caller(event)] += seconds
     return {
         "seconds_by_phase": dict(by_phase.most_common()),
         "seconds_by_family": dict(by_family.most_common()),
+        "copy_callers_s": dict(copy_callers.most_common(TOP_KERNELS)),
     }
 
 
