@@ -266,6 +266,13 @@ def test_gpu_bench_uses_bf16_and_reports_mfu(tmp_path: Path) -> None:
     assert positive(result["train"]["256"]["images_per_s_per_device"])
     if result["peak_tflops"] is not None:  # a GPU in shared/estimate's table
         assert positive(result["train"]["256"]["mfu"])
+    # each kernel counted once (the first H200 profile counted 136 ms of kernels in a 126 ms step)
+    profile = result["train"]["256"]["profile"]
+    assert 0 < profile["device_busy_share"] <= 1.1  # one stream: kernel time within the step's
+    device = profile["device_seconds_per_step"]
+    assert sum(profile["seconds_by_family"].values()) == pytest.approx(device)
+    assert sum(profile["seconds_by_phase"].values()) <= 1.001 * device
+    assert {"convolution", "optimizer"} <= set(profile["seconds_by_family"])
 
 
 def test_bench_compares_the_loader_with_plain_streaming(bench_run: tuple[dict[str, Any], Path]) -> None:
