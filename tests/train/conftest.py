@@ -220,11 +220,16 @@ def _gpu_kernel_settings_restored() -> Iterator[None]:
     leaves them off)."""
     import torch
 
+    from train.model.kernels import SDPA_BACKENDS, attention_backends_enabled
+
     before = torch.backends.cudnn.benchmark, torch.backends.cuda.matmul.allow_tf32
+    attention = attention_backends_enabled()
     try:
         yield
     finally:
         torch.backends.cudnn.benchmark, torch.backends.cuda.matmul.allow_tf32 = before
+        for name, enable in SDPA_BACKENDS.items():
+            enable(name in attention)
 
 
 @pytest.fixture(scope="session")

@@ -78,7 +78,7 @@ def build_diffusion_model(train_cfg: TrainConfig, setup: DeviceSetup) -> Diffusi
     preset = get_preset(train_cfg.model.preset)
     empty = torch.zeros(preset.text_shape())
     model = assemble_model(train_cfg, setup.kind, preset.scale_factor, empty)
-    use_gpu_kernel_settings(setup.kind)  # as the train job (train/loop/trainer.py build_model)
+    use_gpu_kernel_settings(setup.kind, train_cfg.attention_backend)  # as train/loop/trainer.py build_model
     return model.to(setup.device)  # keeps the layout assemble_model chose
 
 

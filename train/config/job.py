@@ -90,6 +90,11 @@ class TrainConfig:
     compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = (
         "default"
     )
+    # The kernels scaled_dot_product_attention runs on a GPU: auto (torch picks: cuDNN's on an H100 / H200
+    # with torch 2.11), or only cudnn / flash (FlashAttention-2) / efficient (memory-efficient) / math;
+    # train/model/kernels.py. `make bench BENCH=full`'s `flash_attention` variant measures flash against the
+    # recipe. Ignored on CPU.
+    attention_backend: Literal["auto", "cudnn", "flash", "efficient", "math"] = "auto"
     # U-Net inputs (and, without FSDP, weights) in NHWC layout, which cuDNN convolutions run natively.
     # null: on for GPU runs, off on CPU (logged); true / false: as asked, CPU included (the tests run the GPU
     # layout on CPU ranks). Under FSDP the weights stay NCHW inside the flat parameters, because torch 2.7's

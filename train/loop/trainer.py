@@ -61,7 +61,7 @@ def build_model(ctx: RunContext) -> DiffusionModel:
     empty = torch.from_numpy(ctx.manifest.empty_caption_embedding.astype("float32"))
     online = online_text_for(ctx.manifest, ctx.cfg.model.text_encoder)  # text.store=tokens only
     model = assemble_model(ctx.cfg, ctx.device, ctx.manifest.scale_factor, empty, online)
-    use_gpu_kernel_settings(ctx.device)  # fixed shapes (train/model/kernels.py)
+    use_gpu_kernel_settings(ctx.device, ctx.cfg.attention_backend)  # fixed shapes (train/model/kernels.py)
     compiled = use_compile(ctx.cfg, ctx.device)
     fit_recompile_limit(model.unet, ctx.cfg.fsdp, compiled)
     buckets = {b for p in [s.pinned for s in ctx.streams] or [ctx.pinned] for b in p.buckets}

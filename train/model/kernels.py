@@ -33,12 +33,41 @@ from train.model.assemble import fsdp_units
 log = logging.getLogger(__name__)
 
 
-def use_gpu_kernel_settings(device: str) -> None:
+# scaled_dot_product_attention's CUDA backends, by TrainConfig.attention_backend name
+SDPA_BACKENDS = {
+    "cudnn": torch.backends.cuda.enable_cudnn_sdp,
+    "flash": torch.backends.cuda.enable_flash_sdp,
+    "efficient": torch.backends.cuda.enable_mem_efficient_sdp,
+    "math": torch.backends.cuda.enable_math_sdp,
+}
+SDPA_ENABLED = {
+    "cudnn": torch.backends.cuda.cudnn_sdp_enabled,
+    "flash": torch.backends.cuda.flash_sdp_enabled,
+    "efficient": torch.backends.cuda.mem_efficient_sdp_enabled,
+    "math": torch.backends.cuda.math_sdp_enabled,
+}
+
+
+def attention_backends_enabled() -> set[str]:
+    return {name for name, enabled in SDPA_ENABLED.items() if enabled()}
+
+
+def use_gpu_kernel_settings(device: str, attention_backend: str = "auto") -> None:
     """cuDNN autotuning (fixed shapes) and TF32 matmuls on a GPU run, as Composer's GPU device sets them
-    (module doc); nothing on CPU."""
+    (module doc), and the attention kernels `attention_backend` names; nothing on CPU."""
     if device == "gpu":
         torch.backends.cudnn.benchmark = True
         torch.backends.cuda.matmul.allow_tf32 = True
+        use_attention_backend(attention_backend)
+
+
+def use_attention_backend(name: str) -> None:
+    """auto: every backend allowed, torch picks (cuDNN's on an H100 / H200 with torch 2.11, whose backward
+    was the costliest kernel of the 512 px step there); else only `name`, so SDPA raises where that backend
+    cannot run a shape instead of quietly falling back. Global flags, set before the first compile: dynamo
+    traces the backend they select into the graph."""
+    for backend, enable in SDPA_BACKENDS.items():
+        enable(name in ("auto", backend))
 
 
 def unwrapped(module: torch.nn.Module) -> torch.nn.Module:

@@ -23,6 +23,8 @@ from shared.presets import SD2_UNET
 from train.bench.scale import microbatch_input, tiny_model
 from train.model.assemble import is_fsdp_unit
 from train.model.kernels import (
+    SDPA_BACKENDS,
+    attention_backends_enabled,
     fit_recompile_limit,
     is_compiled,
     max_graphs_under_fsdp,
@@ -62,6 +64,16 @@ def test_gpu_settings_are_composers_so_the_bench_compiles_what_a_run_compiles() 
     assert inspect.signature(DeviceGPU).parameters["allow_tf32"].default is True
     use_gpu_kernel_settings("gpu")
     assert torch.backends.cudnn.benchmark and torch.backends.cuda.matmul.allow_tf32
+
+
+def test_attention_backend_allows_only_the_named_kernels_and_auto_all_again() -> None:
+    """A bench variant's backend must not outlive its model: the next one (auto) allows every backend."""
+    use_gpu_kernel_settings("gpu", "flash")
+    assert attention_backends_enabled() == {"flash"}
+    use_gpu_kernel_settings("cpu", "cudnn")  # CPU runs leave the flags alone
+    assert attention_backends_enabled() == {"flash"}
+    use_gpu_kernel_settings("gpu", "auto")
+    assert attention_backends_enabled() == set(SDPA_BACKENDS)
 
 
 def compiled_tiny_under_fsdp(counted: CompileCounter) -> torch.nn.Module:

@@ -148,6 +148,7 @@ def bench_variants(
             step = full_step(variant, setup, res, batch_size, cfg.seed)
             first = time_calls(step.run, 0, 1, setup).median  # a compiled variant compiles in it
             seconds = time_calls(step.run, WARMUP_STEPS - 1, plan.variant_repeats, setup).median
+            profiled = profile_steps(step, 1)
             rate = batch_size / seconds
             timed[name] = {
                 "overrides": list(plan.variants.get(name, [])),
@@ -155,7 +156,9 @@ def bench_variants(
                 "step_s": seconds,
                 "images_per_s_per_device": rate,
                 "mfu": mfu(flops[res].unet_train_step, rate, peak),
-                "top_level_aten_ops_per_step": profile_steps(step, 1)["top_level_aten_ops_per_step"],
+                "top_level_aten_ops_per_step": profiled["top_level_aten_ops_per_step"],
+                # on a GPU: which kernels ran (e.g. whose attention: a cached graph would show the old one)
+                **{k: profiled[k] for k in ("top_kernels_s", "device_seconds_per_step") if k in profiled},
                 **proxies(step, variant, plan.cpu_autocast_proxy),
                 **graphs_skipped(variant, setup.kind),
             }
