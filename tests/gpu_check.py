@@ -64,7 +64,7 @@ BENCH_ARGS = (
     "step.warmup=3", "step.repeats=6", "loader.rows=512", "loader.passes=1", "trainer.batches=8",
     "trainer.warmup=3", "encode.samples=128", "encode.partitions=4", "encode.repeats=1",
     "recipe_overrides=[compile=false]", "encode.vae_compile=false", "anatomy.enabled=false",
-    "buckets.enabled=false",
+    "buckets.enabled=false", "encode.encoder_overrides=[encoder.low_precision_norms=true]",  # eager encode
 )  # fmt: skip
 ENV_PROBE = """import json, sys, torch
 cuda = torch.cuda.is_available()

@@ -164,4 +164,5 @@ def test_the_bench_overrides_fit_bench_full() -> None:
     assert not (cfg.scale.s3 or cfg.scale.collectives)
     # no cold compile of SD2 (over 200 s a shape on an H200): the recipe, its trainer run and the VAE eager
     assert cfg.recipe_overrides == ["compile=false"] and not cfg.encode.vae_compile
+    assert "encoder.compile=true" not in cfg.encode.encoder_overrides  # the pipeline's VAE eager too
     assert not (cfg.anatomy.enabled or cfg.buckets.enabled)
