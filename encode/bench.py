@@ -80,7 +80,7 @@ def bench_encoders(preset_name: str, setup: DeviceSetup, cfg: EncodeConfig | Non
     import torch
 
     from encode.plan.fingerprints import EncoderIds
-    from encode.process.encoders import Encoders, compile_vae_encoder, image_sizes, speed_up_vae
+    from encode.process.encoders import Encoders, apply_encoder_switches
     from shared.models import build_text_encoder, build_vae
     from shared.presets import get_preset
 
@@ -91,12 +91,7 @@ def bench_encoders(preset_name: str, setup: DeviceSetup, cfg: EncodeConfig | Non
     text = build_text_encoder(preset, "transformers").to(setup.device)
     ids = EncoderIds(vae="bench-random-init", text="bench-random-init", tokenizer="bench-random-init")
     encoders = Encoders(preset, vae, text, setup.device, ENCODER_PRECISION, ids)
-    if cfg is not None:
-        speed_up_vae(vae, cfg.encoder.low_precision_norms, compile=False)
-        encoders.batch_size = cfg.encoder.batch_size  # a compiled encoder pads short batches to it
-        if cfg.encoder.compile:
-            compile_vae_encoder(vae, len(image_sizes(cfg)))
-    return encoders
+    return encoders if cfg is None else apply_encoder_switches(encoders, cfg)
 
 
 def encode_config(
@@ -298,12 +293,12 @@ def bench_encode(
     """Samples/s of the real pipeline vs each stage alone, alternating them each repeat so both see the same
     machine load; `images_per_s_per_device` is what the planner reads (samples encoded per second, every
     resolution of a sample included)."""
+    from encode.process.encoders import encode_kernel_settings
+
     source = build_source(work / "source", plan, seed)
     stage_cfg = encode_config(plan, preset_name, source, work / "stages", setup)
     encoders = bench_encoders(preset_name, setup, stage_cfg)
     stages, pipeline = [], []
-    from encode.process.encoders import encode_kernel_settings
-
     # the encode job's cuDNN settings, not the ones the bench's train sections left behind
     with encode_kernel_settings(stage_cfg.encoder.compile, setup.device):
         for repeat in range(max(plan.repeats, 1)):

@@ -232,13 +232,19 @@ def load_encoders(cfg: EncodeConfig) -> Encoders:
     vae.to(device)
     if device.type == "cuda":
         vae.to(memory_format=torch.channels_last)
-    speed_up_vae(vae, cfg.encoder.low_precision_norms, compile=False)
     text.to(device)
-    encoders = Encoders(preset, vae, text, device, cfg.encoder.precision, ids)
+    encoders = apply_encoder_switches(Encoders(preset, vae, text, device, cfg.encoder.precision, ids), cfg)
+    use_encode_kernel_settings(cfg.encoder.compile, device)
+    return encoders
+
+
+def apply_encoder_switches(encoders: Encoders, cfg: EncodeConfig) -> Encoders:
+    """`cfg.encoder`'s norms, batch (0: measured on this GPU, with the norms swapped) and compile, in that
+    order (`make bench` applies them to its random-init encoders the same way)."""
+    speed_up_vae(encoders.vae, cfg.encoder.low_precision_norms, compile=False)
     encoders.batch_size = cfg.encoder.batch_size or batch_from_memory(encoders, largest_image_size(cfg))
     if cfg.encoder.compile:  # after the probe's batches: no graph for those
-        compile_vae_encoder(vae, len(image_sizes(cfg)))
-    use_encode_kernel_settings(cfg.encoder.compile, device)
+        compile_vae_encoder(encoders.vae, len(image_sizes(cfg)))
     return encoders
 
 

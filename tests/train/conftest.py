@@ -228,7 +228,7 @@ def _gpu_kernel_settings_restored() -> Iterator[None]:
         yield
     finally:
         torch.backends.cudnn.benchmark, torch.backends.cuda.matmul.allow_tf32 = before
-        for name, enable in SDPA_BACKENDS.items():
+        for name, (_, enable) in SDPA_BACKENDS.items():
             enable(name in attention)
 
 

@@ -33,23 +33,18 @@ from train.model.assemble import fsdp_units
 log = logging.getLogger(__name__)
 
 
-# scaled_dot_product_attention's CUDA backends, by TrainConfig.attention_backend name
+# scaled_dot_product_attention's CUDA backends by TrainConfig.attention_backend name: (is on, turn on / off)
+_cuda = torch.backends.cuda
 SDPA_BACKENDS = {
-    "cudnn": torch.backends.cuda.enable_cudnn_sdp,
-    "flash": torch.backends.cuda.enable_flash_sdp,
-    "efficient": torch.backends.cuda.enable_mem_efficient_sdp,
-    "math": torch.backends.cuda.enable_math_sdp,
-}
-SDPA_ENABLED = {
-    "cudnn": torch.backends.cuda.cudnn_sdp_enabled,
-    "flash": torch.backends.cuda.flash_sdp_enabled,
-    "efficient": torch.backends.cuda.mem_efficient_sdp_enabled,
-    "math": torch.backends.cuda.math_sdp_enabled,
+    "cudnn": (_cuda.cudnn_sdp_enabled, _cuda.enable_cudnn_sdp),
+    "flash": (_cuda.flash_sdp_enabled, _cuda.enable_flash_sdp),
+    "efficient": (_cuda.mem_efficient_sdp_enabled, _cuda.enable_mem_efficient_sdp),
+    "math": (_cuda.math_sdp_enabled, _cuda.enable_math_sdp),
 }
 
 
 def attention_backends_enabled() -> set[str]:
-    return {name for name, enabled in SDPA_ENABLED.items() if enabled()}
+    return {name for name, (enabled, _) in SDPA_BACKENDS.items() if enabled()}
 
 
 def use_gpu_kernel_settings(device: str, attention_backend: str = "auto") -> None:
@@ -66,7 +61,7 @@ def use_attention_backend(name: str) -> None:
     was the costliest kernel of the 512 px step there); else only `name`, so SDPA raises where that backend
     cannot run a shape instead of quietly falling back. Global flags, set before the first compile: dynamo
     traces the backend they select into the graph."""
-    for backend, enable in SDPA_BACKENDS.items():
+    for backend, (_, enable) in SDPA_BACKENDS.items():
         enable(name in ("auto", backend))
 
 

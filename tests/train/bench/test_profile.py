@@ -4,6 +4,8 @@ of the step lays them out: no GPU needed."""
 
 from __future__ import annotations
 
+import itertools
+
 from torch.autograd import DeviceType
 from torch.autograd.profiler_util import FunctionEvent
 
@@ -36,11 +38,11 @@ def test_device_kernels_are_given_their_family() -> None:
 H200_KERNELS_BY_FAMILY = {family: name for name, family in H200_KERNELS.items()}
 
 
-def _cpu(
-    ids: list[int], name: str, start: int, end: int, parent: FunctionEvent | None = None
-) -> FunctionEvent:
-    event = FunctionEvent(len(ids), name, thread=1, start_us=start, end_us=end, use_device="cuda")
-    ids.append(event.id)
+EVENT_IDS = itertools.count(1)  # a CPU op's id links it to the kernels it launched
+
+
+def _cpu(name: str, start: int, end: int, parent: FunctionEvent | None = None) -> FunctionEvent:
+    event = FunctionEvent(next(EVENT_IDS), name, thread=1, start_us=start, end_us=end, use_device="cuda")
     if parent is not None:
         event.set_cpu_parent(parent)
         parent.append_cpu_child(event)
@@ -58,13 +60,12 @@ def test_each_kernel_counts_once_by_family_phase_and_caller() -> None:
     """A 100 us step: attention 40 us (its backward copying grad_out first: 10 us), a fused GroupNorm
     20 us, AdamW 30 us. The profiler also hangs each label's GPU-side span on the label's CPU event as if
     it were a kernel (the "step" label: 70 us), which the first H200 profile counted on top."""
-    ids: list[int] = []
-    step = _cpu(ids, "step", 0, 100)
-    attention = _cpu(ids, "aten::_scaled_dot_product_cudnn_attention_backward", 10, 60, step)
-    copy = _cpu(ids, "aten::copy_", 12, 20, _cpu(ids, "aten::contiguous", 11, 21, attention))
-    norm = _cpu(ids, "triton_red_fused_native_group_norm_3", 61, 70, step)
-    optimizer = _cpu(ids, "optimizer", 70, 100)
-    adamw = _cpu(ids, "aten::_fused_adamw_", 71, 99, optimizer)
+    step = _cpu("step", 0, 100)
+    attention = _cpu("aten::_scaled_dot_product_cudnn_attention_backward", 10, 60, step)
+    copy = _cpu("aten::copy_", 12, 20, _cpu("aten::contiguous", 11, 21, attention))
+    norm = _cpu("triton_red_fused_native_group_norm_3", 61, 70, step)
+    optimizer = _cpu("optimizer", 70, 100)
+    adamw = _cpu("aten::_fused_adamw_", 71, 99, optimizer)
     kernels = [
         (copy, H200_KERNELS_BY_FAMILY["copies"], 10),
         (attention, H200_KERNELS_BY_FAMILY["attention"], 30),

@@ -136,7 +136,7 @@ def device_time(events: Any, steps: int) -> dict[str, Any]:
 def _copy_caller(event: Any) -> str:
     """The op a copy ran under (cuDNN's convolution, attention's backward, a compiled graph, ...)."""
     node = event
-    while node is not None and node.name.startswith(COPY_WRAPPERS):
+    while node is not None and node.name in COPY_WRAPPERS:
         node = node.cpu_parent
     return node.name[:120] if node is not None else "(top level)"
 
