@@ -55,10 +55,10 @@ GPU_TESTS: dict[str, int] = {
     "tests/train/loop/test_gpu_ranks.py::test_two_gpu_fsdp_sharded_checkpoint_resumes_on_one_gpu": 150,
 }
 # `bench full` cut to what the headline needs (step img/s + MFU at 256 and 512 px, encode samples/s,
-# Composer's overhead); the S3 and gloo sections are CPU counters CI already checks. Eager: one cold compile
-# of SD2's U-Net at one shape takes 158 s on an H200 (torch 2.11, 16 cores; issue 30's third GPU run),
-# so the compiled step, its variants (anatomy) and buckets are `make bench BENCH=full`'s; the
-# tests above compile the tiny U-Net, and the eager step here took 28 s at both resolutions.
+# Composer's overhead, the recipe as a run trains it); the S3 and gloo sections are CPU counters CI already
+# checks. Eager: one cold compile of SD2's U-Net at one shape takes 158 s on an H200 (torch 2.11, 16 cores;
+# issue 30's third GPU run), so the compiled step, its variants (anatomy) and buckets are `make bench
+# BENCH=full`'s; the tests above compile the tiny U-Net; the eager step here took 28 s at both resolutions.
 BENCH_ARGS = (
     "scale.s3=false", "scale.collectives=false", "step.online=false", "step.text_store=false",
     "step.warmup=3", "step.repeats=6", "loader.rows=512", "loader.passes=1", "trainer.batches=8",
@@ -262,6 +262,9 @@ def bench_headline(bench: dict[str, Any]) -> dict[str, Any]:
         "composer_outside_step_share": dig(bench, "trainer", "outside_step_share"),
         "composer_flow_outside_share": dig(bench, "trainer", "flow", "outside_share"),
         "composer_python_side_share": dig(bench, "trainer", "python_side_share"),
+        # the recipe as a run of it trains: FSDP, its microbatch (eager here: BENCH_ARGS)
+        "as_recipe_images_per_s": dig(bench, "trainer", "as_recipe", "images_per_s_per_device"),
+        "as_recipe_mfu": dig(bench, "trainer", "as_recipe", "mfu"),
         **({"headline": bench["headline"]} if isinstance(bench.get("headline"), dict) else {}),
     }
 

@@ -60,6 +60,11 @@ class TrainerBenchConfig:
     # each wait for the device), against as many bare steps back to back: what Composer adds once its
     # Python-side work overlaps the device's queue. 0: skip.
     flow_batches: int = allowed(8, ge=0)
+    # Then the trainer as the recipe runs on a cluster, on this one device: its own FSDP wrapping (per-block
+    # units and graphs, weights NCHW in the flat parameters) at its device_microbatch_size, one microbatch
+    # per step (train/bench/trainer/as_recipe.py); timed over flow_batches after warmup. What the job's
+    # MFU is at the batch per GPU a run has, where the step section times the bare U-Net at the bench's.
+    as_recipe: bool = False
 
 
 @dataclass
@@ -170,6 +175,8 @@ class BenchConfig:
             raise ConfigError(
                 f"loader.rows={self.loader.rows} must hold at least two batches of {self.loader_batch()}"
             )
+        if self.trainer.as_recipe and not self.trainer.flow_batches:
+            raise ConfigError("trainer.as_recipe is timed over trainer.flow_batches: set it to 1 or more")
         if self.encode.enabled and self.encode.samples < self.encode.partitions:
             raise ConfigError("encode.samples must be >= encode.partitions")
         scale = self.scale

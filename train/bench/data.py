@@ -1,5 +1,5 @@
 """Data side of `make bench`: a real MDS dataset on disk and train's real loader over it (the Composer
-trainer over the same dataset: train/bench/trainer_run.py).
+trainer over the same dataset: train/bench/trainer/).
 
 The dataset is written the way encode lays out its output (shared/manifest.py): rows at the preset's exact
 shapes through `streaming.MDSWriter` + `shared.contract`, one partition, a merged index per version and a

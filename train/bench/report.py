@@ -8,6 +8,7 @@ from typing import Any
 
 from train.bench.anatomy.buckets import bucket_findings, bucket_rows
 from train.bench.anatomy.report import anatomy_findings, step_findings, vae_findings
+from train.bench.trainer.report import trainer_findings, trainer_rows
 
 JSON_NAME = "bench.json"
 MARKDOWN_NAME = "bench.md"
@@ -18,10 +19,6 @@ NEAR_LIMIT = 0.8  # share of a bound (encode pipeline vs its slowest stage, offl
 # (on CPU the "device" is the host, and the flag says only that the models are not the whole run)
 DEVICE_IDLE_SHARE = 0.1
 HOST_WORK_SHARE = 0.05  # host-side work on a device's critical path (Objective.prepare, VAE input prep)
-OUTSIDE_SHARE = 0.10  # Composer's time outside the bare step
-FLOW_ADDED_TARGET = 0.05  # issue 30 item 5: what the Composer batch may add to its step, as a run runs it
-LISTED_COMPONENTS = 3  # the costliest Composer algorithms / callbacks named in the findings
-ALWAYS_LISTED = ("GradNormClipping", "HandoffEMA")  # named even when not among the costliest
 
 
 def _pct(x: float, digits: int = 0) -> str:
@@ -75,33 +72,6 @@ def loader_findings(loader: dict[str, Any], step_rate: float) -> list[str]:
         f"{loader['bytes_per_s'] / 1e6:,.1f} MB/s, {_pct(read_share)} of a raw read of the same shards: "
         "per-sample and per-batch work, not reading, sets its rate",
     ]
-
-
-def trainer_findings(trainer: dict[str, Any]) -> list[str]:
-    components = trainer["components_s"]
-    largest = sorted(components.items(), key=lambda item: -item[1])[:LISTED_COMPONENTS]
-    # issue 30 (5): clipping and the EMA are always named, each with its own time
-    always = [(name, components[name]) for name in ALWAYS_LISTED if name in components]
-    shown = largest + [item for item in always if item not in largest]
-    parts = ", ".join(f"{name} {1000 * s:.1f} ms" for name, s in shown)
-    flow = trainer.get("flow")
-    # the target is read on the flow batches when measured: timing the parts serialises the batch
-    flag = " - above target" if not flow and trainer["outside_step_share"] > OUTSIDE_SHARE else ""
-    notes = [
-        f"Composer trainer: {_pct(trainer['python_side_share'], 1)} of each batch is outside its forward, "
-        f"backward and optimizer step (data fetch {1000 * trainer['data_fetch_s']:.1f} ms; {parts}; "
-        f"Composer's own loop {1000 * trainer['unattributed_s']:.1f} ms); against a separate bare step "
-        f"{_pct(trainer['outside_step_share'], 1)}{flag} (each part timed to the device: serialised)"
-    ]
-    if flow:
-        flag = " - above target" if flow["outside_share"] > FLOW_ADDED_TARGET else ""
-        batch, bare = 1000 * flow["composer_per_batch_s"], 1000 * flow["bare_per_step_s"]
-        notes.append(
-            f"Composer trainer as a run runs it (no wait for the device inside a batch): {batch:.1f} ms a "
-            f"batch against {bare:.1f} ms a bare step back to back, {_pct(flow['outside_share'], 1)} added "
-            f"(target < {_pct(FLOW_ADDED_TARGET)}){flag}"
-        )
-    return notes
 
 
 def encode_findings(encode: dict[str, Any]) -> list[str]:
@@ -187,7 +157,7 @@ def findings(result: dict[str, Any]) -> list[str]:
             loader, result["train"][str(loader["resolution"])]["images_per_s_per_device"]
         )
     if trainer := result.get("trainer"):
-        notes += trainer_findings(trainer)
+        notes += trainer_findings(trainer, result["train"])
     if scale := result.get("scale"):
         notes += scale_findings(scale)
     if encode := result.get("encode"):
@@ -260,22 +230,7 @@ def _pipeline_table(result: dict[str, Any]) -> list[str]:
             ["loader bytes", f"{_fmt(loader['bytes_per_s'] / 1e6, 1)} MB/s", f"raw read {_fmt(raw, 1)} MB/s"]
         )
     if trainer := result.get("trainer"):
-        wall, bare = 1000 * trainer["wall_per_batch_s"], 1000 * trainer["bare_step_s"]
-        rows.append(
-            [
-                f"Composer batch ({trainer['resolution']} px)",
-                f"{_fmt(wall, 1)} ms",
-                f"its step work {_fmt(1000 * trainer['in_step_s'], 1)} ms; bare step {_fmt(bare, 1)} ms",
-            ]
-        )
-        if flow := trainer.get("flow"):
-            rows.append(
-                [
-                    "Composer batch, unsynced",
-                    f"{_fmt(1000 * flow['composer_per_batch_s'], 1)} ms",
-                    f"bare steps back to back {_fmt(1000 * flow['bare_per_step_s'], 1)} ms",
-                ]
-            )
+        rows += trainer_rows(trainer, result["train"])
     if buckets := result.get("buckets"):
         square = result["train"].get(str(buckets["resolution"]), {}).get("images_per_s_per_device")
         rows += bucket_rows(buckets, square)

@@ -36,9 +36,10 @@ from train.bench.data import (
 from train.bench.report import findings, write_json
 from train.bench.scale import bench_collectives
 from train.bench.scale_s3 import S3_RUN_BATCH, bench_s3_requests
-from train.bench.step import bench_train_steps, count_flops, mfu, progress
+from train.bench.step import FlopCounts, bench_train_steps, count_flops, mfu, progress
 from train.bench.text_store import bench_text_store
-from train.bench.trainer_run import bench_trainer
+from train.bench.trainer.as_recipe import bench_as_recipe
+from train.bench.trainer.batches import bench_trainer
 from train.config import TrainConfig
 from train.model.assemble import INDUCTOR_CACHE_ENV, TRITON_CACHE_ENV, use_channels_last, use_compile_cache
 from train.resilience.signals import restores_signal_handlers
@@ -47,21 +48,38 @@ PYTHON_SIDE_TARGET = 0.05  # issue 11: under 5% of a step outside the U-Net forw
 
 
 def load_recipe(
-    cfg: BenchConfig, setup: DeviceSetup, work: Path, extra: list[str] | None = None
+    cfg: BenchConfig,
+    setup: DeviceSetup,
+    work: Path,
+    extra: list[str] | None = None,
+    one_device: bool = True,
 ) -> TrainConfig:
-    """The train recipe at the bench's preset, device and precision (single device: no FSDP), `extra`
-    overrides last (an anatomy variant's switches)."""
+    """The train recipe at the bench's preset, device and precision, `extra` overrides last (an anatomy
+    variant's switches); `one_device`: FSDP off, whatever the recipe or recipe_overrides say (the sections
+    that time the U-Net unwrapped), else as the train job would load it (trainer.as_recipe)."""
     overrides = [
         f"model.preset={cfg.preset}",
         f"data.resolution={cfg.data_resolution()}",
         f"save_folder={work / 'save'}",
-        "fsdp=false",
         f"device={setup.kind}",
         f"precision={setup.precision}",
         *cfg.recipe_overrides,
+        *(["fsdp=false"] if one_device else []),
         *(extra or []),
     ]
     return load_config(TrainConfig, cfg.recipe, overrides, kind="train")
+
+
+def recipe_as_run(cfg: BenchConfig, setup: DeviceSetup, work: Path) -> TrainConfig:
+    """The recipe as the train job loads it, FSDP included, for trainer.as_recipe; checked before any
+    section runs."""
+    as_run = load_recipe(cfg, setup, work, one_device=False)
+    if cfg.loader.rows < 2 * as_run.device_microbatch_size:
+        raise ConfigError(
+            f"trainer.as_recipe runs microbatches of {as_run.device_microbatch_size} ({cfg.recipe}'s "
+            f"device_microbatch_size): loader.rows={cfg.loader.rows} must hold two of them"
+        )
+    return as_run
 
 
 def device_peak(cfg: BenchConfig, setup: DeviceSetup) -> tuple[float | None, str]:
@@ -94,7 +112,12 @@ def _timed_section(timings: dict[str, float], name: str) -> Iterator[None]:
 
 
 def bench_data_sections(
-    cfg: BenchConfig, recipe: TrainConfig, setup: DeviceSetup, work: Path
+    cfg: BenchConfig,
+    recipe: TrainConfig,
+    setup: DeviceSetup,
+    work: Path,
+    flops: dict[int, FlopCounts],
+    peak: float | None,
 ) -> dict[str, Any]:
     """Loader and trainer sections over one real MDS dataset written at the preset's shapes."""
     res, batch = cfg.data_resolution(), cfg.loader_batch()
@@ -123,6 +146,13 @@ def bench_data_sections(
         )
         out["trainer"]["resolution"] = res
         out["trainer"]["recipe"] = cfg.recipe
+        if t.as_recipe:
+            progress(f"trainer as {cfg.recipe} runs it (its FSDP, its microbatch; compiles first) ...")
+            as_run = recipe_as_run(cfg, setup, work)
+            out["trainer"]["as_recipe"] = bench_as_recipe(
+                as_run, root, res, t.warmup, t.flow_batches, work / "as-recipe", setup,
+                flops[res].unet_train_step, peak,
+            )  # fmt: skip
     return out
 
 
@@ -231,10 +261,13 @@ def _run_sections(cfg: BenchConfig) -> dict[str, Any]:
     partial = PartialResult(cfg.out_dir, result, timings)
     with _scratch(cfg.work_dir) as work:
         recipe = load_recipe(cfg, setup, work)
+        if cfg.trainer.enabled and cfg.trainer.as_recipe:
+            recipe_as_run(cfg, setup, work)  # a bad setting stops the bench here, not an hour in
         # The layout is the recipe's train config switch, resolved as the train job resolves it.
         setup = dataclasses.replace(setup, channels_last=use_channels_last(recipe, setup.kind))
         with partial.section("flops"):
             counted = {*cfg.step.resolutions, *cfg.step.text_store_at(), *cfg.encode.vae_resolutions}
+            counted.add(cfg.data_resolution())  # trainer.as_recipe's MFU
             flops = count_flops(cfg.preset, sorted(counted))
         with partial.section("train"):
             train = bench_train_steps(recipe, setup, cfg.step, flops, peak, cfg.seed)
@@ -263,7 +296,7 @@ def _run_sections(cfg: BenchConfig) -> dict[str, Any]:
                 result["text_store"] = bench_text_store(recipe, setup, cfg.step, flops, cfg.seed)
         if cfg.loader.enabled or cfg.trainer.enabled:
             with partial.section("data"):
-                result |= bench_data_sections(cfg, recipe, setup, work)
+                result |= bench_data_sections(cfg, recipe, setup, work, flops, peak)
         if cfg.encode.enabled:
             with partial.section("encode"):
                 result["encode"] = bench_encode_section(cfg, setup, work, flops, peak)

@@ -32,7 +32,7 @@ from shared.presets import get_preset
 from shared.runtime.device import resolve_device_setup
 from shared.storage.s3_server import find_weed_binary, pointed_at, run_seaweedfs
 from train.bench.data import write_synthetic_dataset
-from train.bench.trainer_run import trainer_config
+from train.bench.trainer.batches import trainer_config
 from train.config import TrainConfig
 from train.loop.trainer import build_trainer, close_trainer
 

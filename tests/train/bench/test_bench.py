@@ -37,6 +37,8 @@ MINIMAL = [
     "trainer.batches=1",
     "trainer.warmup=1",
     "trainer.flow_batches=2",
+    "trainer.as_recipe=true",
+    "recipe_overrides=[fsdp=true,device_microbatch_size=4]",  # the as_recipe run only: the rest is unwrapped
     "encode.samples=8",
     "encode.partitions=1",
     "encode.batch_size=4",
@@ -96,7 +98,6 @@ def test_bench_writes_json_with_every_section(bench_run: tuple[dict[str, Any], P
         phases = train["profile"]["seconds_by_phase"]  # each phase of the timed step, profiled
         assert {"step", "clipping", "optimizer", "ema"} <= set(phases) and all(map(positive, phases.values()))
         assert all(not name.startswith("aten::copy_") for name in train["profile"]["copy_callers_s"])
-        assert all(not name.startswith("aten::copy_") for name in train["profile"]["copy_callers_s"])
         assert train["ideal_offline_speedup"] == pytest.approx(result["flops"][res]["ideal_offline_speedup"])
         text_store = result["text_store"][res]  # tokens + tower vs stored embeddings, in the same run
         assert positive(text_store["ratio"]) and text_store["flop_ideal_ratio"] > 1
@@ -126,6 +127,23 @@ def test_bench_writes_json_with_every_section(bench_run: tuple[dict[str, Any], P
     device, run_s = encode["device_s"], sorted(encode["pipeline_s"])[len(encode["pipeline_s"]) // 2]
     assert positive(device["busy"]) and device["busy"] <= (launch["text"] + launch["vae"]) * run_s + 1e-3
     assert 0 < encode["device_idle_share"] < 1 and positive(encode["device_busy_samples_per_s"])
+
+
+def test_bench_runs_the_recipe_as_a_run_of_it_trains(bench_run: tuple[dict[str, Any], Path]) -> None:
+    """trainer.as_recipe: the recipe's own trainer, FSDP-wrapped as the SD2 recipes are (recipe_overrides;
+    the sections before it stay unwrapped), at its microbatch, one microbatch a step, timed unsynced."""
+    result, out = bench_run
+    as_run = result["trainer"]["as_recipe"]
+    assert as_run["fsdp"] and as_run["fsdp_sharding_strategy"] == "SHARD_GRAD_OP"
+    assert as_run["batch_size"] == 4 and as_run["resolution"] == result["trainer"]["resolution"]
+    assert not (as_run["compiled"] or as_run["channels_last"] or as_run["conv_weights_channels_last"])  # CPU
+    assert positive(as_run["per_batch_s"]) and positive(as_run["first_batch_s"])
+    assert as_run["images_per_s_per_device"] == pytest.approx(4 / as_run["per_batch_s"])
+    assert as_run["mfu"] is None  # no peak_tflops on CPU
+    (line,) = [n for n in result["findings"] if n.startswith("tiny as a run of it trains")]
+    assert "FSDP SHARD_GRAD_OP per block, NCHW" in line and "microbatch 4" in line
+    assert "the step section's" in line
+    assert "tiny as run (FSDP SHARD_GRAD_OP per block" in (out / MARKDOWN_NAME).read_text()
 
 
 def test_bench_writes_markdown_table(bench_run: tuple[dict[str, Any], Path]) -> None:
@@ -330,7 +348,7 @@ def test_every_section_compiles_its_model_as_a_fresh_train_process(tmp_path: Pat
     compiled = "recipe_overrides=[compile=true,compile_backend=aot_eager,compile_scope=blocks"
     compiled += ",channels_last=true]"
     only = ["step.resolutions=[32,64]", "step.online=false", "loader.enabled=false", "anatomy.enabled=false"]
-    only += ["buckets.enabled=false", "encode.enabled=false", compiled]
+    only += ["buckets.enabled=false", "encode.enabled=false", "trainer.as_recipe=false", compiled]
     cfg = load_bench_config("quick", [*MINIMAL, *only, f"out_dir={tmp_path / 'out'}", f"work_dir={tmp_path}"])
     with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
         result = run_bench(cfg)

@@ -213,8 +213,10 @@ def trainer_config(
     batches: int,
     work: Path,
     setup: DeviceSetup,
+    fsdp: bool = False,
 ) -> TrainConfig:
-    """The recipe on the bench dataset: one device, one microbatch per step, no sample grids."""
+    """The recipe on the bench dataset: one device, one microbatch per step, no sample grids; `fsdp`:
+    wrapped as the recipe wraps it on a cluster (on one rank FSDP runs NO_SHARD: nothing to shard)."""
     import dataclasses
 
     data = dataclasses.replace(
@@ -234,7 +236,7 @@ def trainer_config(
         autoresume=False,
         load_path=None,
         load_weights_only=False,
-        fsdp=False,  # one device: nothing to shard
+        fsdp=fsdp,
         device=setup.kind,
         precision=setup.precision,
         run_name="bench",
@@ -251,6 +253,7 @@ def bench_trainer(
     work: Path,
     setup: DeviceSetup,
     flow_batches: int = 0,
+    fsdp: bool = False,
 ) -> dict[str, Any]:
     """Composer's wall time per batch (data, EMA, clipping, callbacks, logging included) vs the step work
     inside it, and vs the bare step timed after every batch on the trainer's own model, optimizer and
@@ -258,7 +261,7 @@ def bench_trainer(
     attributed = warmup + batches
     # At least one batch after the attributed ones: the last of those ends at the next BEFORE_DATALOADER.
     total = attributed + max(flow_batches, 1)
-    cfg = trainer_config(recipe, root, resolution, batch_size, total, work, setup)
+    cfg = trainer_config(recipe, root, resolution, batch_size, total, work, setup, fsdp)
     forget_compiled_code()  # the step section's models compiled in this process too (a run has one)
     trainer = build_trainer(cfg)
     state = trainer.state
@@ -278,6 +281,7 @@ def bench_trainer(
             trainer.close()
     timed_steps = range(warmup + 1, warmup + batches + 1)
     out = summarize_batches(clock.records[warmup:], batch_size)
+    out["first_batch_s"] = clock.records[0].wall_s  # start-up: a compiled recipe compiles in it
     out["host_reads_per_step"] = reads_per_step(reads, timed_steps)
     if flow is not None:
         out["flow"] = flow

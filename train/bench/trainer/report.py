@@ -1,0 +1,110 @@
+"""The trainer section's lines in bench.md: where a Composer batch's time goes, what Composer adds as a run
+runs it (issue 30 item 5), and the recipe's own trainer (its FSDP and microbatch) against the step section."""
+
+from __future__ import annotations
+
+from typing import Any
+
+OUTSIDE_SHARE = 0.10  # Composer's time outside the bare step
+FLOW_ADDED_TARGET = 0.05  # issue 30 item 5: what the Composer batch may add to its step, as a run runs it
+LISTED_COMPONENTS = 3  # the costliest Composer algorithms / callbacks named in the findings
+ALWAYS_LISTED = ("GradNormClipping", "HandoffEMA")  # named even when not among the costliest
+# the recipe's batches below this share of the step section's images/s: the bench's headline MFU is not
+# what a run of the recipe gets, and the finding says so
+AS_RECIPE_SHARE = 0.8
+
+
+def _ms(seconds: float) -> str:
+    return f"{1000 * seconds:,.1f} ms"
+
+
+def trainer_findings(trainer: dict[str, Any], train: dict[str, Any]) -> list[str]:
+    """`train`: the step section's entries by resolution, which the recipe's own batches are read against."""
+    components = trainer["components_s"]
+    largest = sorted(components.items(), key=lambda item: -item[1])[:LISTED_COMPONENTS]
+    # issue 30 (5): clipping and the EMA are always named, each with its own time
+    always = [(name, components[name]) for name in ALWAYS_LISTED if name in components]
+    shown = largest + [item for item in always if item not in largest]
+    parts = ", ".join(f"{name} {_ms(s)}" for name, s in shown)
+    flow = trainer.get("flow")
+    # the target is read on the flow batches when measured: timing the parts serialises the batch
+    flag = " - above target" if not flow and trainer["outside_step_share"] > OUTSIDE_SHARE else ""
+    notes = [
+        f"Composer trainer: {trainer['python_side_share']:.1%} of each batch is outside its forward, "
+        f"backward and optimizer step (data fetch {_ms(trainer['data_fetch_s'])}; {parts}; "
+        f"Composer's own loop {_ms(trainer['unattributed_s'])}); against a separate bare step "
+        f"{trainer['outside_step_share']:.1%}{flag} (each part timed to the device: serialised)"
+    ]
+    if flow:
+        flag = " - above target" if flow["outside_share"] > FLOW_ADDED_TARGET else ""
+        notes.append(
+            f"Composer trainer as a run runs it (no wait for the device inside a batch): "
+            f"{_ms(flow['composer_per_batch_s'])} a batch against {_ms(flow['bare_per_step_s'])} a bare step "
+            f"back to back, {flow['outside_share']:.1%} added (target < {FLOW_ADDED_TARGET:.0%}){flag}"
+        )
+    if as_run := trainer.get("as_recipe"):
+        notes.append(as_recipe_finding(trainer["recipe"], as_run, train.get(str(as_run["resolution"]))))
+    return notes
+
+
+def _layout(as_run: dict[str, Any]) -> str:
+    if not as_run["channels_last"]:
+        return "NCHW"
+    if as_run["conv_weights_channels_last"]:
+        return "NHWC"
+    return "NHWC, conv kernels NCHW: each convolution copies its kernel"
+
+
+def _wrapped(as_run: dict[str, Any]) -> str:
+    fsdp = f"FSDP {as_run['fsdp_sharding_strategy']} per block" if as_run["fsdp"] else "no FSDP"
+    return f"{fsdp}, {_layout(as_run)}"
+
+
+def as_recipe_finding(recipe: str, as_run: dict[str, Any], step: dict[str, Any] | None) -> str:
+    mfu = "" if as_run["mfu"] is None else f", {as_run['mfu']:.1%} MFU"
+    line = (
+        f"{recipe} as a run of it trains ({_wrapped(as_run)}, microbatch {as_run['batch_size']}, "
+        f"{'compiled' if as_run['compiled'] else 'eager'}; one device, no communication): "
+        f"{as_run['images_per_s_per_device']:,.1f} img/s{mfu}, first batch {as_run['first_batch_s']:.1f} s"
+    )
+    if step:
+        share = as_run["images_per_s_per_device"] / step["images_per_s_per_device"]
+        line += f"; {share:.2f}x the step section's {step['images_per_s_per_device']:,.1f} img/s at batch "
+        line += f"{step['batch_size']}"
+        if share < AS_RECIPE_SHARE:
+            line += " - a run of this recipe does not get the step section's MFU: its batch per GPU, FSDP"
+            line += " and layout cost the difference (measure more images per GPU, fewer GPUs)"
+    return line
+
+
+def trainer_rows(trainer: dict[str, Any], train: dict[str, Any]) -> list[list[str]]:
+    rows = [
+        [
+            f"Composer batch ({trainer['resolution']} px)",
+            _ms(trainer["wall_per_batch_s"]),
+            f"its step work {_ms(trainer['in_step_s'])}; bare step {_ms(trainer['bare_step_s'])}",
+        ]
+    ]
+    if flow := trainer.get("flow"):
+        rows.append(
+            [
+                "Composer batch, unsynced",
+                _ms(flow["composer_per_batch_s"]),
+                f"bare steps back to back {_ms(flow['bare_per_step_s'])}",
+            ]
+        )
+    if as_run := trainer.get("as_recipe"):
+        step = train.get(str(as_run["resolution"]))
+        mfu = "" if as_run["mfu"] is None else f", {as_run['mfu']:.1%} MFU"
+        against = "-"
+        if step:
+            rate = step["images_per_s_per_device"]
+            against = f"step section {rate:,.1f} img/s at batch {step['batch_size']}"
+        rows.append(
+            [
+                f"{trainer['recipe']} as run ({_wrapped(as_run)}, microbatch {as_run['batch_size']})",
+                f"{as_run['images_per_s_per_device']:,.1f} img/s{mfu}",
+                against,
+            ]
+        )
+    return rows
