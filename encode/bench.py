@@ -265,6 +265,7 @@ class PipelineRun:
     main_thread: dict[str, float]  # encode.process.timing.MainThreadTimes: seconds by phase
     launch: dict[str, float]  # ... and the launch phase's seconds by part
     device: dict[str, float]  # encode.process.timing.DeviceTimeline: busy and idle seconds
+    vae_input_shapes: int  # distinct shapes the VAE ran on in this run (Encoders.vae_input_shapes)
 
 
 def time_pipeline(cfg: EncodeConfig, encoders: Encoders) -> PipelineRun:
@@ -274,6 +275,7 @@ def time_pipeline(cfg: EncodeConfig, encoders: Encoders) -> PipelineRun:
     from encode.sources import list_partitions
 
     before = encoders.texts_encoded
+    encoders.vae_input_shapes.clear()
     summary = run_rank(cfg, RankInfo(0, 1), encoders, list_partitions(cfg.source))
     if summary.failed:
         raise RuntimeError(f"encode bench: partitions failed: {summary.failed}")
@@ -284,6 +286,7 @@ def time_pipeline(cfg: EncodeConfig, encoders: Encoders) -> PipelineRun:
         summary.main_thread,
         summary.main_thread_launch,
         summary.device,
+        len(encoders.vae_input_shapes),
     )
 
 
@@ -293,6 +296,8 @@ def bench_encode(
     """Samples/s of the real pipeline vs each stage alone, alternating them each repeat so both see the same
     machine load; `images_per_s_per_device` is what the planner reads (samples encoded per second, every
     resolution of a sample included)."""
+    import torch
+
     from encode.process.encoders import encode_kernel_settings
 
     source = build_source(work / "source", plan, seed)
@@ -301,6 +306,7 @@ def bench_encode(
     stages, pipeline = [], []
     # the encode job's cuDNN settings, not the ones the bench's train sections left behind
     with encode_kernel_settings(stage_cfg.encoder.compile, setup.device):
+        autotuned = bool(torch.backends.cudnn.benchmark)
         for repeat in range(max(plan.repeats, 1)):
             stages.append(time_stages(stage_cfg, encoders, plan, setup))
             run_cfg = encode_config(plan, preset_name, source, work / f"encoded-{repeat}", setup)
@@ -319,6 +325,8 @@ def bench_encode(
         | {
             "vae_input_share_of_vae": vae_input_s / stage_s["vae"] if stage_s["vae"] else 0.0,
             "latent_precision": precision_check(stage_cfg, encoders, plan),
+            "encoder_compiled": stage_cfg.encoder.compile,
+            "cudnn_autotuning": autotuned,  # what encode set for this encoder on this device
         }
     )
 
@@ -346,6 +354,7 @@ def main_thread_summary(runs: list[PipelineRun]) -> dict[str, Any]:
         "device_s": {"busy": round(busy, 4), "idle": round(idle, 4)},
         "device_idle_share": idle / (busy + idle) if busy + idle else 0.0,
         "device_busy_samples_per_s": run.samples / busy if busy else 0.0,
+        "vae_input_shapes": run.vae_input_shapes,
     }
 
 

@@ -11,7 +11,7 @@ import hashlib
 import json
 import logging
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -115,6 +115,9 @@ class Encoders:
     images_encoded: int = 0
     halved_batches: int = 0  # batches split in two after running out of GPU memory (`_posterior`)
     batch_size: int = CPU_AUTO_BATCH  # what `encoder.batch_size: 0` resolved to (load_encoders)
+    # The shapes the VAE ran on (padding included), each with its batch count: under cuDNN autotuning every
+    # new shape times each convolution's algorithms again (make bench's encode section reports them).
+    vae_input_shapes: dict[tuple[int, ...], int] = field(default_factory=dict)
 
     def shapes(self, resolution: int, store: str = "embeddings") -> contract.Shapes:
         return contract.Shapes(self.preset.latent_shape(resolution), self.preset.text_shape(), store)
@@ -186,6 +189,8 @@ class Encoders:
         short = self.batch_size - images
         if pad and short > 0 and self.vae.encoder._compiled_call_impl is not None:
             pixels = torch.cat([pixels, pixels.new_zeros((short, *pixels.shape[1:]))])
+        shape = tuple(pixels.shape)
+        self.vae_input_shapes[shape] = self.vae_input_shapes.get(shape, 0) + 1
         dist = self.vae.encode(pixels_to_vae_input(pixels, self.vae.dtype)).latent_dist
         return dist.mean[:images].float(), dist.logvar[:images].float()
 

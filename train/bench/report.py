@@ -96,12 +96,25 @@ def encode_findings(encode: dict[str, Any]) -> list[str]:
             f"samples/s while busy against {encode['models_serial_samples_per_s']:,.1f} for the models "
             f"alone{flag}"
         )
+    if "vae_input_shapes" in encode:
+        notes.append(vae_shapes_finding(encode))
     if encode["vae_input_share_of_vae"] > HOST_WORK_SHARE:
         notes.append(
             f"encode VAE stage: {_pct(encode['vae_input_share_of_vae'])} of it is host-side pixel conversion "
             "(uint8 -> float32 NCHW in the main process, before the copy to the device)"
         )
     return notes
+
+
+def vae_shapes_finding(encode: dict[str, Any]) -> str:
+    """The first H200 pipeline ran at 46% of its bound with the device busy 97%: cuDNN autotuning left on by
+    the train sections re-timed the eager VAE's convolutions for every batch length a partition left."""
+    shapes, sizes = encode["vae_input_shapes"], len(encode["resolutions"])
+    how = "compiled, short batches padded" if encode["encoder_compiled"] else "eager"
+    tuned = encode["cudnn_autotuning"]
+    flag = f" - {shapes - sizes} more than its image sizes, each re-tuned" if tuned and shapes > sizes else ""
+    how += f", cuDNN autotuning {'on' if tuned else 'off'}"
+    return f"encode VAE: {shapes} input shapes in a pipeline run ({how}){flag}"
 
 
 def scale_findings(scale: dict[str, Any]) -> list[str]:

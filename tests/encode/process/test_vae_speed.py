@@ -64,11 +64,16 @@ def test_compiled_encoder_makes_one_static_graph_per_image_size_padding_short_ba
         for n in (4, 3, 1)
     ]
     eager = [encoders.encode_images(b) for b in batches]
+    assert len(encoders.vae_input_shapes) == 6  # eager: a shape per batch length (cuDNN autotuning stays off)
+    encoders.vae_input_shapes.clear()
     torch._dynamo.reset()
     counter = CompileCounter()
     compile_vae_encoder(encoders.vae, len(sizes), backend=counter)
     compiled = [encoders.encode_images(b) for b in batches]
     assert counter.frame_count == len(sizes)  # the short batches ran padded in the full batch's graph
+    assert sorted(encoders.vae_input_shapes.values()) == [3, 3] and all(
+        shape[0] == 4 for shape in encoders.vae_input_shapes
+    )  # what make bench's encode section reports as vae_input_shapes
     for (mean, logvar), (want_mean, want_logvar) in zip(compiled, eager, strict=True):
         assert mean.shape == want_mean.shape
         np.testing.assert_allclose(mean, want_mean, rtol=1e-4, atol=1e-5)

@@ -117,6 +117,9 @@ def test_bench_writes_json_with_every_section(bench_run: tuple[dict[str, Any], P
     assert all(positive(encode["stages_samples_per_s"][k]) for k in ("prepare", "vae", "text"))
     assert positive(encode["bound_samples_per_s"]) and encode["slowest_stage"] in ("prepare", "vae", "text")
     assert 0 < encode["vae_input_share_of_vae"] < 1
+    # eager on CPU: a shape per batch length the partitions leave, cuDNN autotuning off (nothing re-tuned)
+    assert encode["vae_input_shapes"] >= 1
+    assert not encode["cudnn_autotuning"] and not encode["encoder_compiled"]
     assert set(encode["main_thread_share"]) == set(MainThreadTimes.PHASES)  # where the pipeline's time went
     assert 0 < sum(encode["main_thread_share"].values()) <= 1
     launch = encode["main_thread_launch_share"]  # the launch phase by part: which call holds the host
