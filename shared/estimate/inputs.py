@@ -74,12 +74,41 @@ def read_bench(uri: str) -> dict[str, Any]:
             for r, e in train.items()
             if isinstance(e, dict) and isinstance(e.get("batch_size"), int)
         },
+        "as_recipe": _as_recipe(obj, where),
         "device": device,
         "stopped_in": obj.get("running") if obj.get("complete") is False else None,
         "gpu_type": gpu_type_for_device(device) if device else None,
         "num_devices": int(obj["num_devices"]) if obj.get("num_devices") else None,
         "encode": _encode_rate(obj["encode"], f"{where}: encode") if obj.get("encode") else None,
     }
+
+
+def _as_recipe(obj: dict[str, Any], where: str) -> dict[int, tuple[float, int]]:
+    """{resolution: (images/s, microbatch)} of the bench's recipe as a run of it trains (its FSDP, its
+    microbatch; `trainer.as_recipe`), when the bench ran it."""
+    entry = (obj.get("trainer") or {}).get("as_recipe")
+    if not isinstance(entry, dict):
+        return {}
+    rate = _rate(entry, f"{where}: trainer.as_recipe")
+    return {_resolution(entry.get("resolution"), where): (rate, int(entry["batch_size"]))}
+
+
+def _prefer_as_recipe(
+    cfg: EstimateConfig, bench: dict[str, Any], throughput: dict[int, float]
+) -> tuple[dict[int, int], list[str]]:
+    """Where the bench ran the recipe as a run trains it at the plan's microbatch, that rate replaces the
+    bare step's (timed unwrapped at a larger batch): the batch per GPU, FSDP and the conv kernels' layout
+    are in it, communication is not. Returns the batch each rate was measured at, and what was replaced."""
+    batches, notes = dict(bench["batch"]), []
+    planned = {int(r): b for r, b in cfg.memory.microbatch.items()}
+    for res, (rate, batch) in bench["as_recipe"].items():
+        if res in throughput and planned.get(res) == batch:
+            notes.append(
+                f"{res} px: throughput of the recipe as run (FSDP, microbatch {batch}, one GPU): "
+                f"{rate:,.1f} img/s, not the bare step's {throughput[res]:,.1f} at batch {batches.get(res)}"
+            )
+            throughput[res], batches[res] = rate, batch
+    return batches, notes
 
 
 def read_manifest_sizes(uri: str) -> tuple[dict[int, float], dict[int, float]]:
@@ -112,13 +141,14 @@ def resolve_inputs(cfg: EstimateConfig) -> Measured:
     if cfg.throughput_from:
         bench = read_bench(cfg.throughput_from)
         throughput = bench["train"]
+        batches, replaced = _prefer_as_recipe(cfg, bench, throughput)
         measured_on = bench["gpu_type"] or measured_on
         reference = bench["num_devices"] or reference
         encode_rate = bench["encode"] or encode_rate
         notes.append(f"throughput from {cfg.throughput_from} ({bench['device'] or 'device not recorded'})")
         if bench["device"] and not bench["gpu_type"]:
             notes.append(f"WARNING: bench device {bench['device']!r} is unknown; taken as {measured_on}")
-        notes += _batch_mismatch_notes(cfg, bench["batch"])
+        notes += replaced + _batch_mismatch_notes(cfg, batches)
         if bench["stopped_in"]:
             notes.append(f"bench stopped in its {bench['stopped_in']} section; its step numbers are whole")
     bytes_per_sample = {int(k): v for k, v in cfg.storage.bytes_per_sample.items()}
@@ -172,8 +202,8 @@ def _batch_mismatch_notes(cfg: EstimateConfig, measured: Mapping[int, int]) -> l
         if bench_batch and plan_batch and bench_batch != plan_batch:
             notes.append(
                 f"WARNING: {res} px throughput was measured at {bench_batch} images per GPU, this plan runs "
-                f"microbatches of {plan_batch} (memory.microbatch): measure that batch "
-                f"(`make bench BENCH=full ARGS='step.batch_size={plan_batch} "
-                f"step.batch_size_by_resolution={{}}'`) or run the global batch on fewer GPUs"
+                f"microbatches of {plan_batch} (memory.microbatch): measure that batch (`make bench "
+                f"BENCH=full ARGS='loader.resolution={res}'` runs the recipe as it trains, at its own "
+                f"microbatch: trainer.as_recipe) or run the global batch on fewer GPUs"
             )
     return notes

@@ -241,7 +241,25 @@ def test_a_bench_at_another_batch_than_the_plan_is_named(tmp_path: Path) -> None
     path.write_text(json.dumps({"device": "NVIDIA H100 80GB HBM3", "num_devices": 1, "train": train}))
     est = estimate(plan("gpu.type=H100", f"throughput_from={path}", "encode.samples=0"))
     warned = [n for n in est.notes if "measured at" in n]
-    assert len(warned) == 1 and "256 px" in warned[0] and "step.batch_size=8" in warned[0]
+    assert len(warned) == 1 and "256 px" in warned[0] and "loader.resolution=256" in warned[0]
+
+
+def test_the_recipe_as_run_at_the_plans_microbatch_replaces_the_bare_step(tmp_path: Path) -> None:
+    """`make bench`'s trainer.as_recipe: the recipe's own trainer (FSDP, its microbatch) on one GPU. At the
+    plan's microbatch it is the rate the plan runs at; the bare step at batch 128 is not."""
+    train = {"256": {"images_per_s_per_device": 585.0, "batch_size": 128}}
+    train["512"] = {"images_per_s_per_device": 90.0, "batch_size": 8}
+    as_run = {"resolution": 256, "batch_size": 8, "images_per_s_per_device": 310.0}
+    bench = {"device": "NVIDIA H100 80GB HBM3", "num_devices": 1, "train": train}
+    bench["trainer"] = {"as_recipe": as_run}
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(bench))
+    est = estimate(plan("gpu.type=H100", f"throughput_from={path}", "encode.samples=0"))
+    assert [p.images_per_s_per_gpu for p in est.phases] == [310.0, 90.0]
+    assert not [n for n in est.notes if "measured at" in n]  # both rates are at the plan's microbatch
+    assert any("256 px: throughput of the recipe as run (FSDP, microbatch 8" in n for n in est.notes)
+    other = plan("gpu.type=H100", f"throughput_from={path}", "encode.samples=0", "memory.microbatch.256=16")
+    assert estimate(other).phases[0].images_per_s_per_gpu == 585.0  # as run at 8, planned at 16: the step's
 
 
 def test_bad_bench_json_names_the_fix(tmp_path: Path) -> None:
