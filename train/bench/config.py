@@ -52,6 +52,20 @@ class LoaderBenchConfig:
 
 
 @dataclass
+class PrecompileBenchConfig:
+    """Compiles side by side before the timed sections (train/bench/precompile.py): cold, `full` compiles
+    each shape one after another, 158-230 s each on an H200, most of an hour in all."""
+
+    # child processes compiling at once, each the recipe or one compiled anatomy variant at one resolution
+    # into the bench's compile cache; 0: off (every section compiles what it needs as it goes)
+    workers: int = allowed(0, ge=0)
+    # GPU memory one child holds (the step's peak: 38.7 GB at 256 px, batch 128 on the H200): fewer workers
+    # run where the GPU has less
+    gb_per_worker: float = allowed(40.0, gt=0)
+    timeout_s: int = allowed(1200, ge=1)  # one child's limit; a child stopped or failed costs only time
+
+
+@dataclass
 class TrainerBenchConfig:
     enabled: bool = True
     batches: int = allowed(8, ge=1)  # timed Composer batches (after warmup)
@@ -156,6 +170,7 @@ class BenchConfig:
     step: StepBenchConfig = field(default_factory=StepBenchConfig)
     loader: LoaderBenchConfig = field(default_factory=LoaderBenchConfig)
     trainer: TrainerBenchConfig = field(default_factory=TrainerBenchConfig)
+    precompile: PrecompileBenchConfig = field(default_factory=PrecompileBenchConfig)
     anatomy: AnatomyBenchConfig = field(default_factory=AnatomyBenchConfig)
     buckets: BucketBenchConfig = field(default_factory=BucketBenchConfig)
     encode: EncodeBenchConfig = field(default_factory=EncodeBenchConfig)

@@ -163,6 +163,12 @@ def accumulation_finding(acc: dict[str, Any]) -> str:
 def findings(result: dict[str, Any]) -> list[str]:
     """One line per place the numbers say something (speedup vs ideal, MFU, headroom, overheads)."""
     notes = train_findings(result["train"])
+    if (pre := result.get("precompile")) and "skipped" not in pre:
+        failed = f"; failed: {', '.join(pre['failed'])} (compiled by their sections)" if pre["failed"] else ""
+        notes.append(
+            f"precompile: {len(pre['units'])} compiled steps built side by side, {pre['workers']} at a time, "
+            f"in {pre['seconds']:.0f} s; the sections' first steps loaded them from the cache{failed}"
+        )
     if peer := result.get("loader_vs_streaming"):
         notes.append(streaming_peer_finding(peer))
     if loader := result.get("loader"):

@@ -33,6 +33,7 @@ from train.bench.data import (
     shard_files,
     write_synthetic_dataset,
 )
+from train.bench.precompile import precompile_units, run_precompile, worker_count
 from train.bench.report import findings, write_json
 from train.bench.scale import bench_collectives
 from train.bench.scale_s3 import S3_RUN_BATCH, bench_s3_requests
@@ -186,6 +187,18 @@ def anatomy_section(
     return out
 
 
+def precompile_section(cfg: BenchConfig, setup: DeviceSetup, work: Path) -> dict[str, Any]:
+    """The recipe and the compiled anatomy variants compiled side by side into the cache the sections then
+    load from (train/bench/precompile.py)."""
+    units = precompile_units(cfg, lambda extra: load_recipe(cfg, setup, work, extra), setup.kind)
+    workers = worker_count(cfg, setup)
+    if workers < 2 or not units:  # one at a time is what the sections do anyway
+        names = [u.name for u in units]
+        return {"workers": workers, "units": names, "skipped": "fewer than 2 workers or units"}
+    progress(f"precompile: {len(units)} steps, {workers} at a time (their times are not measurements) ...")
+    return run_precompile(cfg, units, workers, work / "precompile")
+
+
 def scale_section(trainer: dict[str, Any]) -> dict[str, Any]:
     """Counters that must not grow with the cluster (issue 11), from the real Composer run: the share of
     each batch spent outside its U-Net forward/backward (with the objective's device work) and optimizer
@@ -269,6 +282,9 @@ def _run_sections(cfg: BenchConfig) -> dict[str, Any]:
             counted = {*cfg.step.resolutions, *cfg.step.text_store_at(), *cfg.encode.vae_resolutions}
             counted.add(cfg.data_resolution())  # trainer.as_recipe's MFU
             flops = count_flops(cfg.preset, sorted(counted))
+        if cfg.precompile.workers:
+            with partial.section("precompile"):
+                result["precompile"] = precompile_section(cfg, setup, work)
         with partial.section("train"):
             train = bench_train_steps(recipe, setup, cfg.step, flops, peak, cfg.seed)
         result |= {

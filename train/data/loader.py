@@ -360,8 +360,8 @@ def _packed_loader_class() -> type:
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             # Samples handed to the trainer per stream since this process started. Counted with torch ops on
-            # the host batch: no `.numpy()` / `.tolist()` per step (train/bench/syncs.py counts those as
-            # read-backs; StreamSampleCounts reads these only at log and checkpoint steps).
+            # the host batch: no `.numpy()` / `.tolist()` per step (train/bench/trainer/syncs.py counts
+            # those as read-backs; StreamSampleCounts reads these only at log and checkpoint steps).
             self.stream_taken = torch.zeros(self.dataset.num_streams, dtype=torch.int64)
 
         def __iter__(self) -> Iterator[Any]:

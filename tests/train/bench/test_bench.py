@@ -359,6 +359,30 @@ def test_every_section_compiles_its_model_as_a_fresh_train_process(tmp_path: Pat
     assert positive(result["trainer"]["bare_step_s"])
 
 
+def test_precompile_compiles_the_recipe_and_each_compiled_variant_side_by_side_first(tmp_path: Path) -> None:
+    """precompile.workers: child processes build each compiled step the sections will time (the recipe and
+    every compiled anatomy variant, at each resolution), side by side, before the timed sections; eager
+    variants are left out. aot_eager here (inductor's C++ compiles take minutes on CPU), so this checks the
+    children and what they build, not a cache hit."""
+    compiled = "recipe_overrides=[compile=true,compile_backend=aot_eager]"
+    variants = "anatomy.variants={fp32_norms: [model.low_precision_norms=false], eager: [compile=false]}"
+    only = ["step.resolutions=[32]", "step.online=false", "loader.enabled=false", "trainer.enabled=false"]
+    only += ["buckets.enabled=false", "encode.enabled=false", "step.text_store=false", compiled, variants]
+    only += ["anatomy.baseline=eager", "anatomy.compile_backend=", "precompile.workers=2"]
+    cfg = load_bench_config("quick", [*MINIMAL, *only, f"out_dir={tmp_path / 'out'}", f"work_dir={tmp_path}"])
+    result = run_bench(cfg)
+    pre = result["precompile"]
+    assert pre["units"] == ["recipe-32", "fp32_norms-32"]
+    assert pre["workers"] == 2 and pre["failed"] == {} and positive(pre["seconds"])
+    for unit in pre["units"]:
+        variant, res = unit.rsplit("-", 1)
+        log = (tmp_path / "precompile" / f"{unit}.log").read_text()
+        assert f"precompiled {variant} at {res} px" in log, log[-2000:]
+    assert {"recipe", "fp32_norms", "eager"} <= set(result["anatomy"]["variants"]["32"])  # then timed as ever
+    assert list(result["seconds_by_section"])[1] == "precompile"  # after the FLOP count, before the step
+    assert any(n.startswith("precompile: 2 compiled steps built side by side") for n in result["findings"])
+
+
 def test_a_cuda_graph_variant_counts_the_graphs_inductor_left_uncaptured(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -3,8 +3,8 @@ draws from the seeds on the device and never reads a tensor back, and the loss i
 log.console_interval and before saves.
 
 On CPU nothing really syncs, so these tests count the calls that would sync on a GPU (`.item()`,
-`.tolist()`, `.cpu()`, `bool(t)`, ...; train/bench/syncs.py); tests/train/test_gpu.py checks the same on a
-GPU with torch.cuda.set_sync_debug_mode.
+`.tolist()`, `.cpu()`, `bool(t)`, ...; train/bench/trainer/syncs.py); tests/train/test_gpu.py checks the
+same on a GPU with torch.cuda.set_sync_debug_mode.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from shared.presets import get_preset
 from shared.runtime.device import resolve_device_setup
 from tests.train.conftest import tiny_config
 from train.bench.step import synthetic_latent_batch, train_step
-from train.bench.syncs import count_readbacks, step_tracker
+from train.bench.trainer.syncs import count_readbacks, step_tracker
 from train.config import DataConfig
 from train.data.draws import MissingDrawsError, draw_for_samples
 from train.data.loader import SAMPLE_SEED, build_dataset, pin_version, read_dataset_manifest

@@ -24,7 +24,7 @@ from shared.runtime.device import resolve_device_setup
 from tests.train.conftest import tiny_config
 from train.bench.anatomy.ops import cpu_autocast_like_cuda
 from train.bench.step import synthetic_latent_batch, train_step
-from train.bench.syncs import count_readbacks
+from train.bench.trainer.syncs import count_readbacks
 from train.loop.trainer import build_optimizer
 from train.model.assemble import (
     INDUCTOR_CACHE_ENV,

@@ -23,7 +23,7 @@ import torch
 
 from shared.runtime.device import DeviceSetup
 from train.bench.step import train_step
-from train.bench.syncs import Readbacks, count_readbacks, step_tracker
+from train.bench.trainer.syncs import Readbacks, count_readbacks, step_tracker
 from train.config import TrainConfig
 from train.data.packing import unpack
 from train.loop.trainer import build_trainer

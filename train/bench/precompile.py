@@ -1,0 +1,149 @@
+"""Fill the bench's compile cache side by side before the timed sections (`precompile.workers`).
+
+Cold, `make bench BENCH=full` compiles every shape it times one after another: the recipe at 256 and 512 px,
+then each compiled anatomy variant at each, 158-230 s apiece on an H200 (torch 2.11, 16 cores), most of it
+one core tracing and lowering. Compiles of different graphs share nothing but the cache folder, so child
+processes (`python -m train.bench.precompile CONFIG VARIANT RESOLUTION`) each build one of those steps
+exactly as the section will (anatomy/section.py `full_step`), run it twice and exit, `workers` at a time,
+all into the cache folder the bench set (inherited through the environment). The timed sections then load
+each graph from the cache (15 s a shape on the H200). Children's times are not measurements: compiles side by
+side slow each other. A child that fails or runs out of time is logged and skipped: the section then
+compiles that shape itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from shared.config import config_to_dict
+from shared.runtime.device import DeviceSetup
+from train.bench.config import BenchConfig, load_bench_config
+from train.config import TrainConfig
+from train.model.compile_plan import use_compile
+
+RECIPE = "recipe"  # the unit of the recipe itself (the train section's step)
+POLL_S = 0.5
+
+
+@dataclasses.dataclass(frozen=True)
+class Unit:
+    variant: str  # RECIPE or an anatomy variant's name
+    resolution: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.variant}-{self.resolution}"
+
+
+def precompile_units(
+    cfg: BenchConfig, recipe_with: Callable[[list[str]], TrainConfig], kind: str
+) -> list[Unit]:
+    """The recipe and every anatomy variant that compiles, at each step resolution."""
+    runs = {RECIPE: [], **(cfg.anatomy.variants if cfg.anatomy.enabled else {})}
+    compiled = [name for name, extra in runs.items() if use_compile(recipe_with(list(extra)), kind)]
+    return [Unit(name, res) for name in compiled for res in cfg.step.resolutions]
+
+
+def worker_count(cfg: BenchConfig, setup: DeviceSetup) -> int:
+    """`precompile.workers`, fewer where the GPU cannot hold that many children's steps."""
+    workers = cfg.precompile.workers
+    if setup.device.type == "cuda":
+        import torch
+
+        total_gb = torch.cuda.get_device_properties(setup.device).total_memory / 1e9
+        workers = min(workers, max(1, int(total_gb // cfg.precompile.gb_per_worker)))
+    return workers
+
+
+def run_precompile(cfg: BenchConfig, units: list[Unit], workers: int, folder: Path) -> dict[str, Any]:
+    """Each unit in a child process, `workers` at a time; what ran, failed and how long it all took."""
+    folder.mkdir(parents=True, exist_ok=True)
+    config = folder / "bench.yaml"
+    children = dataclasses.replace(cfg, precompile=dataclasses.replace(cfg.precompile, workers=0))
+    config.write_text(yaml.safe_dump(config_to_dict(children), sort_keys=False))
+    start, pending = time.perf_counter(), list(units)
+    running: dict[Unit, tuple[subprocess.Popen[bytes], float]] = {}
+    failed: dict[str, str] = {}
+    try:
+        while pending or running:
+            while pending and len(running) < workers:
+                unit = pending.pop(0)
+                running[unit] = (_start(config, unit, folder / f"{unit.name}.log"), time.perf_counter())
+            time.sleep(POLL_S)
+            for unit, (proc, began) in list(running.items()):
+                if proc.poll() is None and time.perf_counter() - began < cfg.precompile.timeout_s:
+                    continue
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+                    failed[unit.name] = f"stopped after {cfg.precompile.timeout_s} s"
+                elif proc.returncode:
+                    failed[unit.name] = f"exit {proc.returncode}"
+                if unit.name in failed:
+                    failed[unit.name] += f" (log: {folder / f'{unit.name}.log'})"
+                del running[unit]
+    finally:
+        for proc, _ in running.values():  # the bench itself stopped: no child outlives it
+            proc.kill()
+            proc.wait()
+    return {
+        "workers": workers,
+        "units": [u.name for u in units],
+        "seconds": time.perf_counter() - start,
+        "failed": failed,
+    }
+
+
+def _start(config: Path, unit: Unit, log: Path) -> subprocess.Popen[bytes]:
+    command = [sys.executable, "-m", "train.bench.precompile", str(config), unit.variant]
+    command.append(str(unit.resolution))
+    with log.open("wb") as out:
+        return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+
+def compile_unit(cfg: BenchConfig, unit: Unit) -> float:
+    """The child's work: the step the section will time, built the same way, run twice (compile, then the
+    first replay, where a CUDA-graph variant records). Returns its seconds."""
+    import torch
+
+    from shared.runtime.device import resolve_device_setup
+    from train.bench.anatomy.section import full_step
+    from train.bench.run import load_recipe
+    from train.model.assemble import use_channels_last
+
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    setup = resolve_device_setup(cfg.device, cfg.precision, channels_last=False)
+    extra = [] if unit.variant == RECIPE else list(cfg.anatomy.variants[unit.variant])
+    with tempfile.TemporaryDirectory(prefix="sd-precompile-") as tmp:
+        # the layout from the recipe, as the bench resolves it once for every section and variant
+        base = load_recipe(cfg, setup, Path(tmp))
+        setup = dataclasses.replace(setup, channels_last=use_channels_last(base, setup.kind))
+        recipe = load_recipe(cfg, setup, Path(tmp), extra)
+        start = time.perf_counter()
+        step = full_step(recipe, setup, unit.resolution, cfg.step.batch_for(unit.resolution), cfg.seed)
+        step.run()
+        step.run()
+        setup.sync()
+        return time.perf_counter() - start
+
+
+def main(argv: list[str]) -> int:
+    config, variant, resolution = argv
+    cfg = load_bench_config(config)
+    seconds = compile_unit(cfg, Unit(variant, int(resolution)))
+    print(f"precompiled {variant} at {resolution} px in {seconds:.1f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
