@@ -262,9 +262,11 @@ def bench_headline(bench: dict[str, Any]) -> dict[str, Any]:
         "composer_outside_step_share": dig(bench, "trainer", "outside_step_share"),
         "composer_flow_outside_share": dig(bench, "trainer", "flow", "outside_share"),
         "composer_python_side_share": dig(bench, "trainer", "python_side_share"),
-        # the recipe as a run of it trains: FSDP, its microbatch (eager here: BENCH_ARGS)
-        "as_recipe_images_per_s": dig(bench, "trainer", "as_recipe", "images_per_s_per_device"),
-        "as_recipe_mfu": dig(bench, "trainer", "as_recipe", "mfu"),
+        # the recipe as a run of it trains: FSDP, its microbatch (eager here: BENCH_ARGS), by resolution
+        "as_recipe": {
+            res: {"images_per_s": dig(e, "images_per_s_per_device"), "mfu": dig(e, "mfu")}
+            for res, e in (dig(bench, "trainer", "as_recipe") or {}).items()
+        },
         **({"headline": bench["headline"]} if isinstance(bench.get("headline"), dict) else {}),
     }
 

@@ -86,11 +86,13 @@ def read_bench(uri: str) -> dict[str, Any]:
 def _as_recipe(obj: dict[str, Any], where: str) -> dict[int, tuple[float, int]]:
     """{resolution: (images/s, microbatch)} of the bench's recipe as a run of it trains (its FSDP, its
     microbatch; `trainer.as_recipe`), when the bench ran it."""
-    entry = (obj.get("trainer") or {}).get("as_recipe")
-    if not isinstance(entry, dict):
+    entries = (obj.get("trainer") or {}).get("as_recipe")
+    if not isinstance(entries, dict):
         return {}
-    rate = _rate(entry, f"{where}: trainer.as_recipe")
-    return {_resolution(entry.get("resolution"), where): (rate, int(entry["batch_size"]))}
+    return {
+        _resolution(res, where): (_rate(e, f"{where}: trainer.as_recipe.{res}"), int(e["batch_size"]))
+        for res, e in entries.items()
+    }
 
 
 def _prefer_as_recipe(

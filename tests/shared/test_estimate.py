@@ -251,7 +251,7 @@ def test_the_recipe_as_run_at_the_plans_microbatch_replaces_the_bare_step(tmp_pa
     train["512"] = {"images_per_s_per_device": 90.0, "batch_size": 8}
     as_run = {"resolution": 256, "batch_size": 8, "images_per_s_per_device": 310.0}
     bench = {"device": "NVIDIA H100 80GB HBM3", "num_devices": 1, "train": train}
-    bench["trainer"] = {"as_recipe": as_run}
+    bench["trainer"] = {"as_recipe": {"256": as_run}}
     path = tmp_path / "bench.json"
     path.write_text(json.dumps(bench))
     est = estimate(plan("gpu.type=H100", f"throughput_from={path}", "encode.samples=0"))

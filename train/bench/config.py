@@ -4,13 +4,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from encode.bench import EncodeBenchConfig
 from shared.buckets import auto_buckets, bucket_name, parse_bucket
 from shared.config import ConfigError, load_config
 from shared.config.values import allowed
 from shared.presets import Preset, get_preset
+from train.config import TrainConfig
+
+if TYPE_CHECKING:
+    from shared.runtime.device import DeviceSetup
 
 DEFAULT_CONFIG = "quick"
 
@@ -79,6 +83,9 @@ class TrainerBenchConfig:
     # per step (train/bench/trainer/as_recipe.py); timed over flow_batches after warmup. What the job's
     # MFU is at the batch per GPU a run has, where the step section times the bare U-Net at the bench's.
     as_recipe: bool = False
+    # px; []: the data resolution. Each runs over a dataset of its own: `make estimate` plans each phase of
+    # the SD2 schedule with the rate measured at its resolution and the plan's microbatch.
+    as_recipe_resolutions: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -182,6 +189,7 @@ class BenchConfig:
         try:
             preset = get_preset(self.preset)
             resolutions = [*self.step.resolutions, *self.step.text_store_resolutions]
+            resolutions += self.trainer.as_recipe_resolutions
             for res in [*resolutions, self.loader.resolution or self.step.resolutions[0]]:
                 preset.latent_shape(res)
         except (ValueError, IndexError) as err:
@@ -255,6 +263,12 @@ class BenchConfig:
     def anatomy_batch(self) -> int:
         return self.anatomy.batch_size or self.step.batch_for(self.anatomy_resolution())
 
+    def as_recipe_at(self) -> list[int]:
+        """Where trainer.as_recipe runs the recipe as a run of it trains ([] when it does not)."""
+        if not (self.trainer.enabled and self.trainer.as_recipe):
+            return []
+        return self.trainer.as_recipe_resolutions or [self.data_resolution()]
+
     def loader_batch(self) -> int:
         return self.loader.batch_size or self.step.batch_for(self.data_resolution())
 
@@ -262,3 +276,26 @@ class BenchConfig:
 def load_bench_config(config: str | Path = DEFAULT_CONFIG, overrides: list[str] | None = None) -> BenchConfig:
     """`jobs/bench/<config>.yaml` (or a path) + `key=value` overrides."""
     return load_config(BenchConfig, config, overrides or [], kind="bench")
+
+
+def load_recipe(
+    cfg: BenchConfig,
+    setup: DeviceSetup,
+    work: Path,
+    extra: list[str] | None = None,
+    one_device: bool = True,
+) -> TrainConfig:
+    """The train recipe at the bench's preset, device and precision, `extra` overrides last (an anatomy
+    variant's switches); `one_device`: FSDP off, whatever the recipe or recipe_overrides say (the sections
+    that time the U-Net unwrapped), else as the train job would load it (trainer.as_recipe)."""
+    overrides = [
+        f"model.preset={cfg.preset}",
+        f"data.resolution={cfg.data_resolution()}",
+        f"save_folder={work / 'save'}",
+        f"device={setup.kind}",
+        f"precision={setup.precision}",
+        *cfg.recipe_overrides,
+        *(["fsdp=false"] if one_device else []),
+        *(extra or []),
+    ]
+    return load_config(TrainConfig, cfg.recipe, overrides, kind="train")

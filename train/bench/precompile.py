@@ -117,7 +117,7 @@ def compile_unit(cfg: BenchConfig, unit: Unit) -> float:
 
     from shared.runtime.device import resolve_device_setup
     from train.bench.anatomy.section import full_step
-    from train.bench.run import load_recipe
+    from train.bench.config import load_recipe
     from train.model.assemble import use_channels_last
 
     if cfg.threads:

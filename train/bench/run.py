@@ -18,14 +18,14 @@ import torch
 
 from encode.bench import ENCODER_PRECISION, bench_encode, bench_encoders
 from encode.vae_speed import vae_speed
-from shared.config import ConfigError, config_to_dict, load_config
+from shared.config import ConfigError, config_to_dict
 from shared.estimate import GPU_TABLE, gpu_type_for_device
 from shared.presets import get_preset
 from shared.runtime.device import DeviceSetup, resolve_device_setup
 from shared.runtime.environ import restored_environ
 from train.bench.anatomy.buckets import bench_buckets
 from train.bench.anatomy.section import bench_anatomy, bench_variants
-from train.bench.config import BenchConfig
+from train.bench.config import BenchConfig, load_recipe
 from train.bench.data import (
     bench_loader,
     bench_loader_vs_streaming,
@@ -46,29 +46,6 @@ from train.model.assemble import INDUCTOR_CACHE_ENV, TRITON_CACHE_ENV, use_chann
 from train.resilience.signals import restores_signal_handlers
 
 PYTHON_SIDE_TARGET = 0.05  # issue 11: under 5% of a step outside the U-Net forward/backward and optimizer
-
-
-def load_recipe(
-    cfg: BenchConfig,
-    setup: DeviceSetup,
-    work: Path,
-    extra: list[str] | None = None,
-    one_device: bool = True,
-) -> TrainConfig:
-    """The train recipe at the bench's preset, device and precision, `extra` overrides last (an anatomy
-    variant's switches); `one_device`: FSDP off, whatever the recipe or recipe_overrides say (the sections
-    that time the U-Net unwrapped), else as the train job would load it (trainer.as_recipe)."""
-    overrides = [
-        f"model.preset={cfg.preset}",
-        f"data.resolution={cfg.data_resolution()}",
-        f"save_folder={work / 'save'}",
-        f"device={setup.kind}",
-        f"precision={setup.precision}",
-        *cfg.recipe_overrides,
-        *(["fsdp=false"] if one_device else []),
-        *(extra or []),
-    ]
-    return load_config(TrainConfig, cfg.recipe, overrides, kind="train")
 
 
 def recipe_as_run(cfg: BenchConfig, setup: DeviceSetup, work: Path) -> TrainConfig:
@@ -147,13 +124,34 @@ def bench_data_sections(
         )
         out["trainer"]["resolution"] = res
         out["trainer"]["recipe"] = cfg.recipe
-        if t.as_recipe:
-            progress(f"trainer as {cfg.recipe} runs it (its FSDP, its microbatch; compiles first) ...")
-            as_run = recipe_as_run(cfg, setup, work)
-            out["trainer"]["as_recipe"] = bench_as_recipe(
-                as_run, root, res, t.warmup, t.flow_batches, work / "as-recipe", setup,
-                flops[res].unet_train_step, peak,
-            )  # fmt: skip
+        if at := cfg.as_recipe_at():
+            out["trainer"]["as_recipe"] = as_recipe_section(cfg, setup, work, at, root, flops, peak)
+    return out
+
+
+def as_recipe_section(
+    cfg: BenchConfig,
+    setup: DeviceSetup,
+    work: Path,
+    resolutions: list[int],
+    data_root: Path,
+    flops: dict[int, FlopCounts],
+    peak: float | None,
+) -> dict[str, Any]:
+    """The recipe as a run of it trains, per resolution, each over a dataset at that resolution (the data
+    sections' own at theirs)."""
+    as_run, out = recipe_as_run(cfg, setup, work), {}
+    for res in resolutions:
+        progress(f"trainer as {cfg.recipe} runs it at {res} px (its FSDP and microbatch; compiles first) ...")
+        root = data_root
+        if res != cfg.data_resolution():
+            root = work / f"dataset-{res}"
+            write_synthetic_dataset(root, get_preset(cfg.preset), res, cfg.loader.rows, cfg.seed)
+        t = cfg.trainer
+        out[str(res)] = bench_as_recipe(
+            as_run, root, res, t.warmup, t.flow_batches, work / f"as-recipe-{res}", setup,
+            flops[res].unet_train_step, peak,
+        )  # fmt: skip
     return out
 
 
@@ -274,13 +272,13 @@ def _run_sections(cfg: BenchConfig) -> dict[str, Any]:
     partial = PartialResult(cfg.out_dir, result, timings)
     with _scratch(cfg.work_dir) as work:
         recipe = load_recipe(cfg, setup, work)
-        if cfg.trainer.enabled and cfg.trainer.as_recipe:
+        if cfg.as_recipe_at():
             recipe_as_run(cfg, setup, work)  # a bad setting stops the bench here, not an hour in
         # The layout is the recipe's train config switch, resolved as the train job resolves it.
         setup = dataclasses.replace(setup, channels_last=use_channels_last(recipe, setup.kind))
         with partial.section("flops"):
             counted = {*cfg.step.resolutions, *cfg.step.text_store_at(), *cfg.encode.vae_resolutions}
-            counted.add(cfg.data_resolution())  # trainer.as_recipe's MFU
+            counted |= {cfg.data_resolution(), *cfg.as_recipe_at()}  # the trainer's and as_recipe's MFU
             flops = count_flops(cfg.preset, sorted(counted))
         if cfg.precompile.workers:
             with partial.section("precompile"):

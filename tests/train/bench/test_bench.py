@@ -18,9 +18,9 @@ from shared.config import ConfigError
 from shared.estimate import estimate, load_estimate_config, read_bench
 from shared.runtime.device import resolve_device_setup
 from train.bench.cli import bench_command
-from train.bench.config import load_bench_config
+from train.bench.config import load_bench_config, load_recipe
 from train.bench.report import JSON_NAME, MARKDOWN_NAME, write_outputs
-from train.bench.run import load_recipe, run_bench
+from train.bench.run import run_bench
 from train.bench.step import count_flops
 
 # Smallest settings that still run every section once: one timed step per variant, one loader pass, two
@@ -38,6 +38,7 @@ MINIMAL = [
     "trainer.warmup=1",
     "trainer.flow_batches=2",
     "trainer.as_recipe=true",
+    "trainer.as_recipe_resolutions=[64,128]",  # 128 over a dataset of its own
     "recipe_overrides=[fsdp=true,device_microbatch_size=4]",  # the as_recipe run only: the rest is unwrapped
     "encode.samples=8",
     "encode.partitions=1",
@@ -134,19 +135,23 @@ def test_bench_writes_json_with_every_section(bench_run: tuple[dict[str, Any], P
 
 def test_bench_runs_the_recipe_as_a_run_of_it_trains(bench_run: tuple[dict[str, Any], Path]) -> None:
     """trainer.as_recipe: the recipe's own trainer, FSDP-wrapped as the SD2 recipes are (recipe_overrides;
-    the sections before it stay unwrapped), at its microbatch, one microbatch a step, timed unsynced."""
+    the sections before it stay unwrapped), at its microbatch, one microbatch a step, timed unsynced, at
+    each of as_recipe_resolutions (128 px over a dataset of its own)."""
     result, out = bench_run
-    as_run = result["trainer"]["as_recipe"]
-    assert as_run["fsdp"] and as_run["fsdp_sharding_strategy"] == "SHARD_GRAD_OP"
-    assert as_run["batch_size"] == 4 and as_run["resolution"] == result["trainer"]["resolution"]
-    assert not (as_run["compiled"] or as_run["channels_last"] or as_run["conv_weights_channels_last"])  # CPU
-    assert positive(as_run["per_batch_s"]) and positive(as_run["first_batch_s"])
-    assert as_run["images_per_s_per_device"] == pytest.approx(4 / as_run["per_batch_s"])
-    assert as_run["mfu"] is None  # no peak_tflops on CPU
-    (line,) = [n for n in result["findings"] if n.startswith("tiny as a run of it trains")]
-    assert "FSDP SHARD_GRAD_OP per block, NCHW" in line and "microbatch 4" in line
-    assert "the step section's" in line
-    assert "tiny as run (FSDP SHARD_GRAD_OP per block" in (out / MARKDOWN_NAME).read_text()
+    runs = result["trainer"]["as_recipe"]
+    assert set(runs) == {"64", "128"}
+    markdown = (out / MARKDOWN_NAME).read_text()
+    for res, as_run in runs.items():
+        assert as_run["fsdp"] and as_run["fsdp_sharding_strategy"] == "SHARD_GRAD_OP"
+        assert as_run["batch_size"] == 4 and as_run["resolution"] == int(res)
+        assert not (as_run["compiled"] or as_run["channels_last"] or as_run["conv_weights_channels_last"])
+        assert positive(as_run["per_batch_s"]) and positive(as_run["first_batch_s"])
+        assert as_run["images_per_s_per_device"] == pytest.approx(4 / as_run["per_batch_s"])
+        assert as_run["mfu"] is None  # no peak_tflops on CPU
+        (line,) = [n for n in result["findings"] if n.startswith(f"tiny as a run of it trains at {res} px")]
+        assert "FSDP SHARD_GRAD_OP per block, NCHW" in line and "microbatch 4" in line
+        assert "the step section's" in line
+        assert f"tiny as run, {res} px (FSDP SHARD_GRAD_OP per block" in markdown
 
 
 def test_bench_writes_markdown_table(bench_run: tuple[dict[str, Any], Path]) -> None:

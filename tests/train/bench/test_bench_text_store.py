@@ -8,8 +8,7 @@ from pathlib import Path
 import pytest
 
 from shared.runtime.device import resolve_device_setup
-from train.bench.config import load_bench_config
-from train.bench.run import load_recipe
+from train.bench.config import load_bench_config, load_recipe
 from train.bench.step import count_flops
 from train.bench.text_store import bench_text_store
 

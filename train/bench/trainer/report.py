@@ -42,8 +42,8 @@ def trainer_findings(trainer: dict[str, Any], train: dict[str, Any]) -> list[str
             f"{_ms(flow['composer_per_batch_s'])} a batch against {_ms(flow['bare_per_step_s'])} a bare step "
             f"back to back, {flow['outside_share']:.1%} added (target < {FLOW_ADDED_TARGET:.0%}){flag}"
         )
-    if as_run := trainer.get("as_recipe"):
-        notes.append(as_recipe_finding(trainer["recipe"], as_run, train.get(str(as_run["resolution"]))))
+    for res, as_run in trainer.get("as_recipe", {}).items():
+        notes.append(as_recipe_finding(trainer["recipe"], as_run, train.get(res)))
     return notes
 
 
@@ -63,7 +63,8 @@ def _wrapped(as_run: dict[str, Any]) -> str:
 def as_recipe_finding(recipe: str, as_run: dict[str, Any], step: dict[str, Any] | None) -> str:
     mfu = "" if as_run["mfu"] is None else f", {as_run['mfu']:.1%} MFU"
     line = (
-        f"{recipe} as a run of it trains ({_wrapped(as_run)}, microbatch {as_run['batch_size']}, "
+        f"{recipe} as a run of it trains at {as_run['resolution']} px ({_wrapped(as_run)}, "
+        f"microbatch {as_run['batch_size']}, "
         f"{'compiled' if as_run['compiled'] else 'eager'}; one device, no communication): "
         f"{as_run['images_per_s_per_device']:,.1f} img/s{mfu}, first batch {as_run['first_batch_s']:.1f} s"
     )
@@ -93,16 +94,17 @@ def trainer_rows(trainer: dict[str, Any], train: dict[str, Any]) -> list[list[st
                 f"bare steps back to back {_ms(flow['bare_per_step_s'])}",
             ]
         )
-    if as_run := trainer.get("as_recipe"):
-        step = train.get(str(as_run["resolution"]))
+    for res, as_run in trainer.get("as_recipe", {}).items():
+        step = train.get(res)
         mfu = "" if as_run["mfu"] is None else f", {as_run['mfu']:.1%} MFU"
         against = "-"
         if step:
             rate = step["images_per_s_per_device"]
             against = f"step section {rate:,.1f} img/s at batch {step['batch_size']}"
+        batch = as_run["batch_size"]
         rows.append(
             [
-                f"{trainer['recipe']} as run ({_wrapped(as_run)}, microbatch {as_run['batch_size']})",
+                f"{trainer['recipe']} as run, {res} px ({_wrapped(as_run)}, microbatch {batch})",
                 f"{as_run['images_per_s_per_device']:,.1f} img/s{mfu}",
                 against,
             ]

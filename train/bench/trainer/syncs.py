@@ -22,8 +22,10 @@ from typing import Any
 
 import torch
 
+import train
+
 READBACK_METHODS = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__")
-REPO_TRAIN = Path(__file__).resolve().parents[1]  # the train package
+REPO_TRAIN = Path(train.__file__).resolve().parent  # the train package
 # Origins counted: the train job (its bench excluded), and the libraries that run its step.
 LIBRARIES = ("composer", "diffusers")
 

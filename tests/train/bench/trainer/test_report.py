@@ -24,6 +24,7 @@ STEP = {"images_per_s_per_device": 585.0, "batch_size": 128}
 
 def test_a_recipe_run_far_below_the_step_section_is_flagged_with_its_layout() -> None:
     line = as_recipe_finding("sd2-base-256", AS_RUN, STEP)
+    assert line.startswith("sd2-base-256 as a run of it trains at 256 px (FSDP SHARD_GRAD_OP per block, NHWC")
     assert "FSDP SHARD_GRAD_OP per block, NHWC, conv kernels NCHW: each convolution copies its kernel" in line
     assert "microbatch 8, compiled; one device, no communication): 320.0 img/s, 17.4% MFU" in line
     assert "0.55x the step section's 585.0 img/s at batch 128 - a run of this recipe does not get" in line
@@ -38,8 +39,8 @@ def test_a_recipe_run_close_to_the_step_section_is_not_flagged() -> None:
 def test_the_table_row_names_the_recipe_and_its_step_section_peer() -> None:
     trainer = {
         "resolution": 256, "recipe": "sd2-base-256", "wall_per_batch_s": 0.22, "in_step_s": 0.21,
-        "bare_step_s": 0.21, "as_recipe": AS_RUN,
+        "bare_step_s": 0.21, "as_recipe": {"256": AS_RUN},
     }  # fmt: skip
     rows = trainer_rows(trainer, {"256": STEP})
     assert rows[-1][1:] == ["320.0 img/s, 17.4% MFU", "step section 585.0 img/s at batch 128"]
-    assert rows[-1][0].startswith("sd2-base-256 as run (FSDP SHARD_GRAD_OP per block, NHWC")
+    assert rows[-1][0].startswith("sd2-base-256 as run, 256 px (FSDP SHARD_GRAD_OP per block, NHWC")
