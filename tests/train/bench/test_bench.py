@@ -154,6 +154,25 @@ def test_bench_runs_the_recipe_as_a_run_of_it_trains(bench_run: tuple[dict[str, 
         assert f"tiny as run, {res} px (FSDP SHARD_GRAD_OP per block" in markdown
 
 
+def test_the_recipe_as_run_in_the_gpu_layout_reports_its_conv_kernels_converted(tmp_path: Path) -> None:
+    """The layout a GPU run of the SD2 recipes has, on CPU: FSDP, channels_last activations, compiled
+    (aot_eager). The unwrapped sections keep NHWC kernels; under FSDP they stay NCHW in the flat
+    parameters (docs/gpu-path.md), and the as-recipe entry and finding say each convolution converts."""
+    gpu_like = "recipe_overrides=[fsdp=true,device_microbatch_size=4,channels_last=true,compile=true"
+    gpu_like += ",compile_backend=aot_eager]"
+    only = ["step.resolutions=[32]", "step.online=false", "step.text_store=false", "loader.enabled=false"]
+    only += ["anatomy.enabled=false", "buckets.enabled=false", "encode.enabled=false", gpu_like]
+    only += ["trainer.as_recipe_resolutions=[]"]  # the data resolution
+    cfg = load_bench_config("quick", [*MINIMAL, *only, f"out_dir={tmp_path / 'out'}", f"work_dir={tmp_path}"])
+    result = run_bench(cfg)
+    assert result["channels_last"]  # the step section: unwrapped, NHWC kernels
+    as_run = result["trainer"]["as_recipe"]["32"]
+    assert as_run["fsdp"] and as_run["compiled"] and as_run["channels_last"]
+    assert not as_run["conv_weights_channels_last"] and positive(as_run["images_per_s_per_device"])
+    (line,) = [n for n in result["findings"] if n.startswith("tiny as a run of it trains at 32 px")]
+    assert "NHWC, conv kernels NCHW: each convolution copies its kernel" in line and "compiled" in line
+
+
 def test_bench_writes_markdown_table(bench_run: tuple[dict[str, Any], Path]) -> None:
     result, out = bench_run
     text = (out / MARKDOWN_NAME).read_text()
