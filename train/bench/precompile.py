@@ -1,14 +1,15 @@
 """Fill the bench's compile cache side by side before the timed sections (`precompile.workers`).
 
-Cold, `make bench BENCH=full` compiles every shape it times one after another: the recipe at 256 and 512 px,
-then each compiled anatomy variant at each, 158-230 s apiece on an H200 (torch 2.11, 16 cores), most of it
-one core tracing and lowering. Compiles of different graphs share nothing but the cache folder, so child
-processes (`python -m train.bench.precompile CONFIG VARIANT RESOLUTION`) each build one of those steps
-exactly as the section will (anatomy/section.py `full_step`), run it twice and exit, `workers` at a time,
-all into the cache folder the bench set (inherited through the environment). The timed sections then load
-each graph from the cache (15 s a shape on the H200). Children's times are not measurements: compiles side by
-side slow each other. A child that fails or runs out of time is logged and skipped: the section then
-compiles that shape itself.
+Cold, `make bench BENCH=full` compiles every shape it times one after another: the recipe at 256 and 512
+px, each compiled anatomy variant at each, each aspect-ratio bucket, 158-230 s apiece on an H200 (torch
+2.11, 16 cores), most of it one core tracing and lowering. Compiles of different graphs share nothing but
+the cache folder, so child processes (`python -m train.bench.precompile CONFIG VARIANT RESOLUTION
+[BUCKET]`) each build one of those steps exactly as the section will (anatomy/section.py `full_step`), run
+it twice and exit, `workers` at a time, all into the cache folder the bench set (inherited through the
+environment). The timed sections then load each graph from the cache (15 s a shape on the H200). Children's
+times are not measurements: compiles side by side slow each other. A child that fails or runs out of time
+is logged and skipped: the section then compiles that shape itself. The VAE and the recipe as run (FSDP
+under Composer) still compile in their sections.
 """
 
 from __future__ import annotations
@@ -38,19 +39,26 @@ POLL_S = 0.5
 class Unit:
     variant: str  # RECIPE or an anatomy variant's name
     resolution: int
+    bucket: str = ""  # an aspect-ratio bucket's "HxW" (the buckets section's step), "" for the square
 
     @property
     def name(self) -> str:
-        return f"{self.variant}-{self.resolution}"
+        return f"{self.variant}-{self.bucket or self.resolution}"
 
 
 def precompile_units(
     cfg: BenchConfig, recipe_with: Callable[[list[str]], TrainConfig], kind: str
 ) -> list[Unit]:
-    """The recipe and every anatomy variant that compiles, at each step resolution."""
+    """The recipe and every anatomy variant that compiles, at each step resolution; then the recipe at each
+    bucket of the buckets section that is not one of those squares."""
     runs = {RECIPE: [], **(cfg.anatomy.variants if cfg.anatomy.enabled else {})}
     compiled = [name for name, extra in runs.items() if use_compile(recipe_with(list(extra)), kind)]
-    return [Unit(name, res) for name in compiled for res in cfg.step.resolutions]
+    units = [Unit(name, res) for name in compiled for res in cfg.step.resolutions]
+    if cfg.buckets.enabled and RECIPE in compiled:
+        res, batch = cfg.bucket_resolution(), cfg.bucket_batch()
+        square = f"{res}x{res}" if res in cfg.step.resolutions and batch == cfg.step.batch_for(res) else ""
+        units += [Unit(RECIPE, res, name) for name in cfg.bucket_names() if name != square]
+    return units
 
 
 def worker_count(cfg: BenchConfig, setup: DeviceSetup) -> int:
@@ -105,7 +113,7 @@ def run_precompile(cfg: BenchConfig, units: list[Unit], workers: int, folder: Pa
 
 def _start(config: Path, unit: Unit, log: Path) -> subprocess.Popen[bytes]:
     command = [sys.executable, "-m", "train.bench.precompile", str(config), unit.variant]
-    command.append(str(unit.resolution))
+    command += [str(unit.resolution), *([unit.bucket] if unit.bucket else [])]
     with log.open("wb") as out:
         return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
@@ -115,6 +123,7 @@ def compile_unit(cfg: BenchConfig, unit: Unit) -> float:
     first replay, where a CUDA-graph variant records). Returns its seconds."""
     import torch
 
+    from shared.buckets import parse_bucket
     from shared.runtime.device import resolve_device_setup
     from train.bench.anatomy.section import full_step
     from train.bench.config import load_recipe
@@ -130,7 +139,11 @@ def compile_unit(cfg: BenchConfig, unit: Unit) -> float:
         setup = dataclasses.replace(setup, channels_last=use_channels_last(base, setup.kind))
         recipe = load_recipe(cfg, setup, Path(tmp), extra)
         start = time.perf_counter()
-        step = full_step(recipe, setup, unit.resolution, cfg.step.batch_for(unit.resolution), cfg.seed)
+        if unit.bucket:
+            batch, bucket = cfg.bucket_batch(), parse_bucket(unit.bucket)
+        else:
+            batch, bucket = cfg.step.batch_for(unit.resolution), None
+        step = full_step(recipe, setup, unit.resolution, batch, cfg.seed, bucket)
         step.run()
         step.run()
         setup.sync()
@@ -138,10 +151,11 @@ def compile_unit(cfg: BenchConfig, unit: Unit) -> float:
 
 
 def main(argv: list[str]) -> int:
-    config, variant, resolution = argv
+    config, variant, resolution, *bucket = argv
     cfg = load_bench_config(config)
-    seconds = compile_unit(cfg, Unit(variant, int(resolution)))
-    print(f"precompiled {variant} at {resolution} px in {seconds:.1f} s", flush=True)
+    unit = Unit(variant, int(resolution), *bucket)
+    seconds = compile_unit(cfg, unit)
+    print(f"precompiled {unit.variant} at {unit.bucket or unit.resolution} px in {seconds:.1f} s", flush=True)
     return 0
 
 

@@ -407,6 +407,31 @@ def test_precompile_compiles_the_recipe_and_each_compiled_variant_side_by_side_f
     assert any(n.startswith("precompile: 2 compiled steps built side by side") for n in result["findings"])
 
 
+def test_precompile_lists_each_bucket_but_the_square_it_already_has_and_builds_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The buckets section's shapes are precompiled too, except the square one the recipe's own unit
+    builds (same resolution and batch); a bucket's child builds the step at the bucket's shape."""
+    import yaml
+
+    from shared.config import config_to_dict
+    from train.bench.precompile import main, precompile_units
+    from train.model.assemble import forget_compiled_code
+
+    compiled = "recipe_overrides=[compile=true,compile_backend=aot_eager]"
+    cfg = load_bench_config("quick", [*MINIMAL, compiled, "anatomy.variants={}", "anatomy.baseline=recipe"])
+    setup = resolve_device_setup("cpu", "fp32", channels_last=False)
+    units = precompile_units(cfg, lambda extra: load_recipe(cfg, setup, tmp_path, extra), "cpu")
+    assert [u.name for u in units] == ["recipe-64", "recipe-128", "recipe-80x48", "recipe-48x80"]
+    config = tmp_path / "bench.yaml"
+    config.write_text(yaml.safe_dump(config_to_dict(cfg)))
+    try:
+        assert main([str(config), "recipe", "64", "80x48"]) == 0
+    finally:
+        forget_compiled_code()
+    assert "precompiled recipe at 80x48 px" in capsys.readouterr().out
+
+
 def test_a_cuda_graph_variant_counts_the_graphs_inductor_left_uncaptured(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -33,12 +33,19 @@ def _free() -> None:
 
 
 def full_step(
-    recipe: TrainConfig, setup: DeviceSetup, resolution: int, batch_size: int, seed: int
+    recipe: TrainConfig,
+    setup: DeviceSetup,
+    resolution: int,
+    batch_size: int,
+    seed: int,
+    bucket: tuple[int, int] | None = None,
 ) -> FullStep:
-    """The recipe's model and optimizer on the device, one fixed batch, clipping and EMA as the job runs."""
+    """The recipe's model and optimizer on the device, one fixed batch (at a bucket's shape if given),
+    clipping and EMA as the job runs."""
     torch.manual_seed(seed)
     bench = StepBench(recipe, setup, online=False)
-    batch = synthetic_latent_batch(get_preset(recipe.model.preset), resolution, batch_size, setup, seed)
+    preset = get_preset(recipe.model.preset)
+    batch = synthetic_latent_batch(preset, resolution, batch_size, setup, seed, bucket)
     clip = recipe.optimizer.grad_clip_norm
     return FullStep.build(bench.model, bench.optimizer, batch, setup, clip, recipe.ema.enabled)
 
