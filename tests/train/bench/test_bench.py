@@ -154,6 +154,7 @@ def test_bench_runs_the_recipe_as_a_run_of_it_trains(bench_run: tuple[dict[str, 
         assert f"tiny as run, {res} px (FSDP SHARD_GRAD_OP per block" in markdown
 
 
+@pytest.mark.slow
 def test_the_recipe_as_run_in_the_gpu_layout_reports_its_conv_kernels_converted(tmp_path: Path) -> None:
     """The layout a GPU run of the SD2 recipes has, on CPU: FSDP, channels_last activations, compiled
     (aot_eager). The unwrapped sections keep NHWC kernels; under FSDP they stay NCHW in the flat
@@ -383,6 +384,7 @@ def test_every_section_compiles_its_model_as_a_fresh_train_process(tmp_path: Pat
     assert positive(result["trainer"]["bare_step_s"])
 
 
+@pytest.mark.slow
 def test_precompile_compiles_the_recipe_and_each_compiled_variant_side_by_side_first(tmp_path: Path) -> None:
     """precompile.workers: child processes build each compiled step the sections will time (the recipe and
     every compiled anatomy variant, at each resolution), side by side, before the timed sections; eager
