@@ -167,7 +167,7 @@ def findings(result: dict[str, Any]) -> list[str]:
         failed = f"; failed: {', '.join(pre['failed'])} (compiled by their sections)" if pre["failed"] else ""
         notes.append(
             f"precompile: {len(pre['units'])} compiled steps built side by side, {pre['workers']} at a time, "
-            f"in {pre['seconds']:.0f} s, into the compile cache the sections read (their first_step_s){failed}"
+            f"in {pre['seconds']:.0f} s, into the compile cache the sections read (see first_step_s){failed}"
         )
     if peer := result.get("loader_vs_streaming"):
         notes.append(streaming_peer_finding(peer))
