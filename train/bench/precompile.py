@@ -26,6 +26,7 @@ from typing import Any
 import yaml
 
 from shared.config import config_to_dict
+from shared.runtime.children import die_with_parent
 from shared.runtime.device import DeviceSetup
 from train.bench.config import BenchConfig, load_bench_config
 from train.config import TrainConfig
@@ -115,7 +116,13 @@ def _start(config: Path, unit: Unit, log: Path) -> subprocess.Popen[bytes]:
     command = [sys.executable, "-m", "train.bench.precompile", str(config), unit.variant]
     command += [str(unit.resolution), *([unit.bucket] if unit.bucket else [])]
     with log.open("wb") as out:
-        return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        return subprocess.Popen(
+            command,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            preexec_fn=die_with_parent,  # a bench killed with -9 leaves no compile running
+        )
 
 
 def compile_unit(cfg: BenchConfig, unit: Unit) -> float:

@@ -409,6 +409,39 @@ def test_precompile_compiles_the_recipe_and_each_compiled_variant_side_by_side_f
     assert any(n.startswith("precompile: 2 compiled steps built side by side") for n in result["findings"])
 
 
+def test_a_bench_killed_while_precompiling_leaves_no_child_compiling(tmp_path: Path) -> None:
+    """kill -9 of `make bench` while its precompile children run: no child outlives it (the kernel kills
+    each with its parent, shared/runtime/children.py)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    compiled = "recipe_overrides=[compile=true,compile_backend=aot_eager]"
+    args = [*MINIMAL, compiled, "anatomy.variants={}", "anatomy.baseline=recipe", "precompile.workers=2"]
+    args += ["buckets.enabled=false", "trainer.as_recipe=false", f"out_dir={tmp_path / 'out'}"]
+    command = [sys.executable, "-m", "train", "bench", "quick", *args, f"work_dir={tmp_path}"]
+    log = tmp_path / "bench.log"
+    with log.open("wb") as out:
+        bench = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=out)
+    try:
+        deadline, children = time.monotonic() + 60, []
+        while time.monotonic() < deadline and len(children) < 2 and bench.poll() is None:
+            found = psutil.Process(bench.pid).children()
+            children = [p for p in found if "train.bench.precompile" in p.cmdline()]
+            time.sleep(0.2)
+        assert len(children) == 2, f"no precompile children: {bench.poll()}, {log.read_text()[-2000:]}"
+        bench.send_signal(signal.SIGKILL)
+        bench.wait(timeout=10)
+        _, alive = psutil.wait_procs(children, timeout=10)
+        assert not alive, f"precompile children outlived the bench: {alive}"
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+
+
 def test_precompile_lists_each_bucket_but_the_square_it_already_has_and_builds_one(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
