@@ -15,9 +15,9 @@ under Composer) still compile in their sections.
 from __future__ import annotations
 
 import dataclasses
+import os
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -89,16 +89,17 @@ def run_precompile(cfg: BenchConfig, units: list[Unit], workers: int, folder: Pa
                 running[unit] = (_start(config, unit, folder / f"{unit.name}.log"), time.perf_counter())
             time.sleep(POLL_S)
             for unit, (proc, began) in list(running.items()):
-                if proc.poll() is None and time.perf_counter() - began < cfg.precompile.timeout_s:
-                    continue
+                why = ""
                 if proc.poll() is None:
+                    if time.perf_counter() - began < cfg.precompile.timeout_s:
+                        continue
                     proc.kill()
                     proc.wait()
-                    failed[unit.name] = f"stopped after {cfg.precompile.timeout_s} s"
+                    why = f"stopped after {cfg.precompile.timeout_s} s"
                 elif proc.returncode:
-                    failed[unit.name] = f"exit {proc.returncode}"
-                if unit.name in failed:
-                    failed[unit.name] += f" (log: {folder / f'{unit.name}.log'})"
+                    why = f"exit {proc.returncode}"
+                if why:
+                    failed[unit.name] = f"{why} (log: {folder / f'{unit.name}.log'})"
                 del running[unit]
     finally:
         for proc, _ in running.values():  # the bench itself stopped: no child outlives it
@@ -115,19 +116,24 @@ def run_precompile(cfg: BenchConfig, units: list[Unit], workers: int, folder: Pa
 def _start(config: Path, unit: Unit, log: Path) -> subprocess.Popen[bytes]:
     command = [sys.executable, "-m", "train.bench.precompile", str(config), unit.variant]
     command += [str(unit.resolution), *([unit.bucket] if unit.bucket else [])]
+    # the child's temp files (torch.compile's own) inside the bench's scratch, which the bench removes
+    tmp = config.parent / "tmp"
+    tmp.mkdir(exist_ok=True)
     with log.open("wb") as out:
         return subprocess.Popen(
             command,
             stdout=out,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
+            env=os.environ | {"TMPDIR": str(tmp)},
             preexec_fn=die_with_parent,  # a bench killed with -9 leaves no compile running
         )
 
 
-def compile_unit(cfg: BenchConfig, unit: Unit) -> float:
+def compile_unit(cfg: BenchConfig, unit: Unit, work: Path) -> float:
     """The child's work: the step the section will time, built the same way, run twice (compile, then the
-    first replay, where a CUDA-graph variant records). Returns its seconds."""
+    first replay, where a CUDA-graph variant records). Returns its seconds. `work`: the bench's precompile
+    folder (the recipe names a save folder in it; nothing is written there)."""
     import torch
 
     from shared.buckets import parse_bucket
@@ -140,28 +146,27 @@ def compile_unit(cfg: BenchConfig, unit: Unit) -> float:
         torch.set_num_threads(cfg.threads)
     setup = resolve_device_setup(cfg.device, cfg.precision, channels_last=False)
     extra = [] if unit.variant == RECIPE else list(cfg.anatomy.variants[unit.variant])
-    with tempfile.TemporaryDirectory(prefix="sd-precompile-") as tmp:
-        # the layout from the recipe, as the bench resolves it once for every section and variant
-        base = load_recipe(cfg, setup, Path(tmp))
-        setup = dataclasses.replace(setup, channels_last=use_channels_last(base, setup.kind))
-        recipe = load_recipe(cfg, setup, Path(tmp), extra)
-        start = time.perf_counter()
-        if unit.bucket:
-            batch, bucket = cfg.bucket_batch(), parse_bucket(unit.bucket)
-        else:
-            batch, bucket = cfg.step.batch_for(unit.resolution), None
-        step = full_step(recipe, setup, unit.resolution, batch, cfg.seed, bucket)
-        step.run()
-        step.run()
-        setup.sync()
-        return time.perf_counter() - start
+    # the layout from the recipe, as the bench resolves it once for every section and variant
+    base = load_recipe(cfg, setup, work)
+    setup = dataclasses.replace(setup, channels_last=use_channels_last(base, setup.kind))
+    recipe = load_recipe(cfg, setup, work, extra)
+    start = time.perf_counter()
+    if unit.bucket:
+        batch, bucket = cfg.bucket_batch(), parse_bucket(unit.bucket)
+    else:
+        batch, bucket = cfg.step.batch_for(unit.resolution), None
+    step = full_step(recipe, setup, unit.resolution, batch, cfg.seed, bucket)
+    step.run()
+    step.run()
+    setup.sync()
+    return time.perf_counter() - start
 
 
 def main(argv: list[str]) -> int:
     config, variant, resolution, *bucket = argv
     cfg = load_bench_config(config)
     unit = Unit(variant, int(resolution), *bucket)
-    seconds = compile_unit(cfg, unit)
+    seconds = compile_unit(cfg, unit, Path(config).parent)
     print(f"precompiled {unit.variant} at {unit.bucket or unit.resolution} px in {seconds:.1f} s", flush=True)
     return 0
 

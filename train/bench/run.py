@@ -48,12 +48,6 @@ from train.resilience.signals import restores_signal_handlers
 PYTHON_SIDE_TARGET = 0.05  # issue 11: under 5% of a step outside the U-Net forward/backward and optimizer
 
 
-def recipe_as_run(cfg: BenchConfig, setup: DeviceSetup, work: Path) -> TrainConfig:
-    """The recipe as the train job loads it, FSDP included, for trainer.as_recipe (loaded once before any
-    section runs too, so a bad override stops the bench at its start)."""
-    return load_recipe(cfg, setup, work, one_device=False)
-
-
 def device_peak(cfg: BenchConfig, setup: DeviceSetup) -> tuple[float | None, str]:
     """(peak TFLOP/s of the device, where that number comes from)."""
     if cfg.peak_tflops:
@@ -90,8 +84,10 @@ def bench_data_sections(
     work: Path,
     flops: dict[int, FlopCounts],
     peak: float | None,
+    as_run: TrainConfig | None = None,
 ) -> dict[str, Any]:
-    """Loader and trainer sections over one real MDS dataset written at the preset's shapes."""
+    """Loader and trainer sections over one real MDS dataset written at the preset's shapes; `as_run`:
+    the recipe as the train job loads it, for trainer.as_recipe."""
     res, batch = cfg.data_resolution(), cfg.loader_batch()
     root = work / "dataset"
     manifest = write_synthetic_dataset(root, get_preset(cfg.preset), res, cfg.loader.rows, cfg.seed)
@@ -118,31 +114,30 @@ def bench_data_sections(
         )
         out["trainer"]["resolution"] = res
         out["trainer"]["recipe"] = cfg.recipe
-        if at := cfg.as_recipe_at():
-            out["trainer"]["as_recipe"] = as_recipe_section(cfg, setup, work, at, root, flops, peak)
+        if as_run is not None:
+            out["trainer"]["as_recipe"] = as_recipe_section(cfg, as_run, setup, work, root, flops, peak)
     return out
 
 
 def as_recipe_section(
     cfg: BenchConfig,
+    as_run: TrainConfig,
     setup: DeviceSetup,
     work: Path,
-    resolutions: list[int],
     data_root: Path,
     flops: dict[int, FlopCounts],
     peak: float | None,
 ) -> dict[str, Any]:
-    """The recipe as a run of it trains, per resolution, each over a dataset at that resolution (the data
-    sections' own at theirs)."""
-    as_run, out = recipe_as_run(cfg, setup, work), {}
+    """The recipe as a run of it trains, at each trainer.as_recipe resolution, over the data sections'
+    dataset where it fits, else one of its own."""
+    out, t = {}, cfg.trainer
     rows = max(cfg.loader.rows, 2 * as_run.device_microbatch_size)  # two of its microbatches at least
-    for res in resolutions:
+    for res in cfg.as_recipe_at():
         progress(f"trainer as {cfg.recipe} runs it at {res} px (its FSDP and microbatch; compiles first) ...")
         root = data_root
         if res != cfg.data_resolution() or rows != cfg.loader.rows:
             root = work / f"dataset-{res}"
             write_synthetic_dataset(root, get_preset(cfg.preset), res, rows, cfg.seed)
-        t = cfg.trainer
         out[str(res)] = bench_as_recipe(
             as_run, root, res, t.warmup, t.flow_batches, work / f"as-recipe-{res}", setup,
             flops[res].unet_train_step, peak,
@@ -267,8 +262,8 @@ def _run_sections(cfg: BenchConfig) -> dict[str, Any]:
     partial = PartialResult(cfg.out_dir, result, timings)
     with _scratch(cfg.work_dir) as work:
         recipe = load_recipe(cfg, setup, work)
-        if cfg.as_recipe_at():
-            recipe_as_run(cfg, setup, work)  # a bad setting stops the bench here, not an hour in
+        # loaded here, so a bad override stops the bench at its start, not an hour in
+        as_run = load_recipe(cfg, setup, work, one_device=False) if cfg.as_recipe_at() else None
         # The layout is the recipe's train config switch, resolved as the train job resolves it.
         setup = dataclasses.replace(setup, channels_last=use_channels_last(recipe, setup.kind))
         with partial.section("flops"):
@@ -305,7 +300,7 @@ def _run_sections(cfg: BenchConfig) -> dict[str, Any]:
                 result["text_store"] = bench_text_store(recipe, setup, cfg.step, flops, cfg.seed)
         if cfg.loader.enabled or cfg.trainer.enabled:
             with partial.section("data"):
-                result |= bench_data_sections(cfg, recipe, setup, work, flops, peak)
+                result |= bench_data_sections(cfg, recipe, setup, work, flops, peak, as_run)
         if cfg.encode.enabled:
             with partial.section("encode"):
                 result["encode"] = bench_encode_section(cfg, setup, work, flops, peak)

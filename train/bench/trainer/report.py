@@ -60,13 +60,17 @@ def _wrapped(as_run: dict[str, Any]) -> str:
     return f"{fsdp}, {_layout(as_run)}"
 
 
-def as_recipe_finding(recipe: str, as_run: dict[str, Any], step: dict[str, Any] | None) -> str:
+def _rate(as_run: dict[str, Any]) -> str:
     mfu = "" if as_run["mfu"] is None else f", {as_run['mfu']:.1%} MFU"
+    return f"{as_run['images_per_s_per_device']:,.1f} img/s{mfu}"
+
+
+def as_recipe_finding(recipe: str, as_run: dict[str, Any], step: dict[str, Any] | None) -> str:
     line = (
         f"{recipe} as a run of it trains at {as_run['resolution']} px ({_wrapped(as_run)}, "
         f"microbatch {as_run['batch_size']}, "
         f"{'compiled' if as_run['compiled'] else 'eager'}; one device, no communication): "
-        f"{as_run['images_per_s_per_device']:,.1f} img/s{mfu}, first batch {as_run['first_batch_s']:.1f} s"
+        f"{_rate(as_run)}, first batch {as_run['first_batch_s']:.1f} s"
     )
     if step:
         share = as_run["images_per_s_per_device"] / step["images_per_s_per_device"]
@@ -96,7 +100,6 @@ def trainer_rows(trainer: dict[str, Any], train: dict[str, Any]) -> list[list[st
         )
     for res, as_run in trainer.get("as_recipe", {}).items():
         step = train.get(res)
-        mfu = "" if as_run["mfu"] is None else f", {as_run['mfu']:.1%} MFU"
         against = "-"
         if step:
             rate = step["images_per_s_per_device"]
@@ -105,7 +108,7 @@ def trainer_rows(trainer: dict[str, Any], train: dict[str, Any]) -> list[list[st
         rows.append(
             [
                 f"{trainer['recipe']} as run, {res} px ({_wrapped(as_run)}, microbatch {batch})",
-                f"{as_run['images_per_s_per_device']:,.1f} img/s{mfu}",
+                _rate(as_run),
                 against,
             ]
         )
