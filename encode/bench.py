@@ -10,7 +10,6 @@ worker rate, 1 / (VAE + text seconds per sample)).
 
 from __future__ import annotations
 
-import contextlib
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -180,83 +179,6 @@ def _model_input_batch(pixels: Sequence[np.ndarray]) -> Any:
     return host_pixel_batch(pixels, pin=False)
 
 
-# --------------------------------------------------------------------------------------- latent precision
-def latent_precision(encoders: Encoders, pixels: Sequence[np.ndarray], batch_size: int) -> dict[str, Any]:
-    """How far fp16 / bf16 (and fp32 with TF32 convolutions on a GPU) move the posterior mean from a strict
-    fp32 encode, in units of the posterior std that training samples with (latent = mean + std * noise).
-
-    An error well below 1 std is invisible to training; one near or above it replaces the encoder's
-    uncertainty with rounding. On CPU fp16 / bf16 run under CPU autocast (encode itself runs fp32 there).
-    """
-    import torch
-
-    from encode.process.encoders import host_pixel_batch, pixels_to_vae_input
-
-    device, vae = encoders.device, encoders.vae
-    batches = [
-        pixels_to_vae_input(host_pixel_batch(b, pin=False).to(device), vae.dtype)
-        for b in _batches(pixels, batch_size)
-    ]
-    with _strict_fp32():
-        ref_mean, ref_std = _posterior(vae, batches, None)
-    out: dict[str, Any] = {
-        "images": len(pixels),
-        "resolution": int(pixels[0].shape[0]),
-        "device": str(device),
-        "posterior_std": _quantiles(ref_std),
-        "abs_mean": {"max": float(ref_mean.abs().max())},
-    }
-    names = ("fp32", "fp16", "bf16") if device.type == "cuda" else ("fp16", "bf16")
-    for name in names:
-        dtype = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}[name]
-        mean, _ = _posterior(vae, batches, dtype)
-        error = (mean - ref_mean).abs()
-        ratio = error / ref_std
-        out[name] = {
-            "max_abs_error": float(error.max()),
-            "error_over_std": _quantiles(ratio),
-            "share_above_0.1_std": float((ratio > 0.1).float().mean()),
-            "nonfinite": int((~torch.isfinite(mean)).sum()),
-        }
-    return out
-
-
-def _posterior(vae: Any, batches: list[Any], dtype: Any) -> tuple[Any, Any]:
-    """(mean, std) of the VAE posterior over all batches, float32 on the CPU; `dtype`: autocast to it."""
-    import torch
-
-    means, stds = [], []
-    for batch in batches:
-        ctx = torch.autocast(batch.device.type, dtype=dtype) if dtype else contextlib.nullcontext()
-        with torch.inference_mode(), ctx:
-            dist = vae.encode(batch).latent_dist
-        means.append(dist.mean.float().cpu())
-        stds.append(dist.std.float().cpu())
-    return torch.cat(means), torch.cat(stds)
-
-
-def _strict_fp32() -> Any:
-    """fp32 without TF32 (cuDNN convolutions use TF32 by default, whose 10-bit mantissa is fp16's)."""
-    import torch
-
-    stack = contextlib.ExitStack()
-    stack.enter_context(torch.backends.cudnn.flags(enabled=True, allow_tf32=False))
-    matmul = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    stack.callback(setattr, torch.backends.cuda.matmul, "allow_tf32", matmul)
-    return stack
-
-
-def _quantiles(values: Any) -> dict[str, float]:
-    flat = values.flatten().double()
-    q = (
-        flat.quantile(flat.new_tensor([0.5, 0.99]))
-        if flat.numel() <= 1 << 24
-        else flat[: 1 << 24].quantile(flat.new_tensor([0.5, 0.99]))
-    )
-    return {"min": float(flat.min()), "median": float(q[0]), "p99": float(q[1]), "max": float(flat.max())}
-
-
 # ---------------------------------------------------------------------------------------------- pipeline
 @dataclass(frozen=True)
 class PipelineRun:
@@ -319,9 +241,11 @@ def bench_encode(
     stage_s = {name: statistics.median(run.seconds[name] for run in stages) for name in stages[0].seconds}
     summary = summarize_encode(plan, samples, [run.seconds for run in pipeline], kept, stage_s)
     vae_input_s = statistics.median(run.vae_input_s for run in stages)
+    median_run = sorted(pipeline, key=lambda r: r.seconds)[len(pipeline) // 2]
     return (
         summary
         | main_thread_summary(pipeline)
+        | steady_rate(median_run, summary["bound_samples_per_s"])
         | {
             "vae_input_share_of_vae": vae_input_s / stage_s["vae"] if stage_s["vae"] else 0.0,
             "latent_precision": precision_check(stage_cfg, encoders, plan),
@@ -358,8 +282,25 @@ def main_thread_summary(runs: list[PipelineRun]) -> dict[str, Any]:
     }
 
 
+def steady_rate(run: PipelineRun, bound: float) -> dict[str, Any]:
+    """The pipeline's rate once running: its samples over the span from the first model call to the last.
+
+    A bench run is seconds long, and the seconds before the first model call (starting the decode workers,
+    decoding the first batch) weigh in its whole-run rate as they do not in an encode of millions of
+    samples: on the H200, 467 samples ran 3.85 s, 1.4 s of them before the first call. The span leaves out
+    one batch's decoding (the first), so where decoding is the bound this overstates the rate by at most
+    one batch in the run; where the models are, the span holds all their work and the rate is theirs."""
+    span = run.device["busy"] + run.device["idle"]
+    if not span or not run.samples:
+        return {}
+    rate = run.samples / span
+    return {"steady_samples_per_s": rate, "steady_share_of_bound": rate / bound if bound else 0.0}
+
+
 def precision_check(cfg: EncodeConfig, encoders: Encoders, plan: EncodeBenchConfig) -> dict[str, Any]:
     """`latent_precision` on up to LATENT_PRECISION_IMAGES kept images at the largest resolution."""
+    from encode.precision import latent_precision
+
     res = max(plan.resolutions)
     samples, _ = prepare_all(cfg, encoders)
     pixels = [s.pixels[res] for s in samples if res in s.pixels][:LATENT_PRECISION_IMAGES]

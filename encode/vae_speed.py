@@ -58,7 +58,7 @@ def vae_speed(
     precision check runs it), and the error of the posterior mean over the fp32 posterior std."""
     import torch
 
-    from encode.bench import _quantiles, _strict_fp32
+    from encode.precision import quantiles, strict_fp32
 
     variants = vae_variants(vae, compile)
     gen = torch.Generator().manual_seed(0)
@@ -67,7 +67,7 @@ def vae_speed(
         pixels = (torch.rand((batch_size, 3, res, res), generator=gen) * 2 - 1).to(setup.device)
         if setup.channels_last:
             pixels = pixels.contiguous(memory_format=torch.channels_last)
-        with _strict_fp32():
+        with strict_fp32():
             ref = _posterior_mean(vae, pixels, "fp32", setup)
         runs: dict[str, Any] = {}
         for name, model in variants.items():
@@ -86,7 +86,7 @@ def vae_speed(
             runs[name] = {
                 "images_per_s": batch_size / statistics.median(seconds),
                 "precision_timed": run_precision,
-                "error_over_std_at_" + precision: _quantiles(error.cpu()),
+                "error_over_std_at_" + precision: quantiles(error.cpu()),
             }
         out[str(res)] = runs
     return out

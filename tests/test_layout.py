@@ -48,6 +48,7 @@ LAYERS: dict[str, list[tuple[str, ...]]] = {
         ("publish",),  # finalize a version, gc
         ("pipeline",),
         ("report",),
+        ("precision",),  # low-precision latents against strict fp32, for the bench and vae_speed
         ("bench", "launch"),
         ("vae_speed",),  # the VAE encoder alone with each speed switch, for train's make bench
         ("cli",),

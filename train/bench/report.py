@@ -81,6 +81,12 @@ def encode_findings(encode: dict[str, Any]) -> list[str]:
         f"{_pct(encode['share_of_bound'])} of its bound {encode['bound_samples_per_s']:,.1f} and "
         f"{_pct(encode['share_of_slowest_stage'])} of its slowest stage ({encode['slowest_stage']}){flag}"
     ]
+    if "steady_samples_per_s" in encode:
+        notes.append(
+            f"encode pipeline once running (first model call to last, worker start-up left out): "
+            f"{encode['steady_samples_per_s']:,.1f} samples/s = {_pct(encode['steady_share_of_bound'])} of "
+            "its bound"
+        )
     if shares := encode.get("main_thread_share"):
         spent = ", ".join(f"{name.replace('_', ' ')} {_pct(share)}" for name, share in shares.items())
         if parts := encode.get("main_thread_launch_share"):

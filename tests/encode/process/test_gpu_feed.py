@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from encode.bench import ENCODER_PRECISION, latent_precision
+from encode.bench import ENCODER_PRECISION
 from encode.config import EncodeConfig, EncoderConfig
+from encode.precision import latent_precision
 from encode.process.encoders import Encoders, host_pixel_batch, load_encoders, pixels_to_vae_input
 from encode.process.images import to_model_input
 from shared.config import load_config

@@ -116,9 +116,12 @@ def vae_findings(encode: dict[str, Any]) -> list[str]:
             )
         lines.append(f"VAE encoder alone {res} px: {'; '.join(parts)}")
     if "share_of_bound" in encode:
-        verdict = "meets" if encode["share_of_bound"] >= ENCODE_TARGET else "below"
+        # an encode job runs for hours: its rate once running is what the target is about
+        share = encode.get("steady_share_of_bound", encode["share_of_bound"])
+        when = " once running" if "steady_share_of_bound" in encode else ""
+        verdict = "meets" if share >= ENCODE_TARGET else "below"
         lines.append(
-            f"encode pipeline at {100 * encode['share_of_bound']:.0f}% of its bound: {verdict} the "
+            f"encode pipeline{when} at {100 * share:.0f}% of its bound: {verdict} the "
             f"{100 * ENCODE_TARGET:.0f}% target"
         )
     return lines
