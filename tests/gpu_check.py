@@ -66,6 +66,7 @@ BENCH_ARGS = (
     "recipe_overrides=[compile=false]", "encode.vae_compile=false", "anatomy.enabled=false",
     "buckets.enabled=false", "encode.encoder_overrides=[encoder.low_precision_norms=true]",  # eager encode
     "trainer.as_recipe_resolutions=[256]",  # the recipe as run (FSDP, 8 per GPU) at one phase: seconds here
+    "trainer.as_recipe_variants={}",  # their compiles are `make bench BENCH=full`'s
 )  # fmt: skip
 ENV_PROBE = """import json, sys, torch
 cuda = torch.cuda.is_available()
@@ -260,6 +261,7 @@ def bench_headline(bench: dict[str, Any]) -> dict[str, Any]:
         "step": step,
         "encode_samples_per_s": dig(bench, "encode", "images_per_s_per_device"),
         "encode_share_of_bound": dig(bench, "encode", "share_of_bound"),
+        "encode_steady_share_of_bound": dig(bench, "encode", "steady_share_of_bound"),
         "composer_outside_step_share": dig(bench, "trainer", "outside_step_share"),
         "composer_flow_outside_share": dig(bench, "trainer", "flow", "outside_share"),
         "composer_python_side_share": dig(bench, "trainer", "python_side_share"),

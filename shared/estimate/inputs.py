@@ -109,8 +109,29 @@ def _prefer_as_recipe(
                 f"{res} px: throughput of the recipe as run (FSDP, microbatch {batch}, one GPU): "
                 f"{rate:,.1f} img/s, not the bare step's {throughput[res]:,.1f} at batch {batches.get(res)}"
             )
+            notes += _small_batch_note(res, rate, batch, throughput[res], batches.get(res))
             throughput[res], batches[res] = rate, batch
     return batches, notes
+
+
+# The recipe as run below this share of the bare step's images/s per GPU: its per-GPU batch, not the U-Net,
+# sets the rate (the sixth H200 run: 8 images per GPU ran 27 img/s at 256 px against 583 at 128, the
+# device mostly waiting for the host to launch each FSDP unit's kernels)
+SMALL_BATCH_SHARE = 0.5
+
+
+def _small_batch_note(
+    res: int, rate: float, batch: int, step_rate: float, step_batch: int | None
+) -> list[str]:
+    """What the plan's microbatch costs against the bench's batch, where it costs much."""
+    if not step_batch or step_batch <= batch or rate >= SMALL_BATCH_SHARE * step_rate:
+        return []
+    return [
+        f"{res} px: {batch} images per GPU run at {rate / step_rate:.0%} of the images/s per GPU of "
+        f"{step_batch} ({rate:,.1f} against {step_rate:,.1f}): each image costs {step_rate / rate:.1f}x "
+        f"the GPU-hours (before communication). The memory line says what fits: fewer GPUs with a larger "
+        "device_microbatch_size for this global batch, or a larger global_batch_size (a new recipe)"
+    ]
 
 
 def read_manifest_sizes(uri: str) -> tuple[dict[int, float], dict[int, float]]:

@@ -258,8 +258,30 @@ def test_the_recipe_as_run_at_the_plans_microbatch_replaces_the_bare_step(tmp_pa
     assert [p.images_per_s_per_gpu for p in est.phases] == [310.0, 90.0]
     assert not [n for n in est.notes if "measured at" in n]  # both rates are at the plan's microbatch
     assert any("256 px: throughput of the recipe as run (FSDP, microbatch 8" in n for n in est.notes)
+    assert not [n for n in est.notes if "images per GPU run at" in n]  # 310 of 585: not a small-batch cost
     other = plan("gpu.type=H100", f"throughput_from={path}", "encode.samples=0", "memory.microbatch.256=16")
     assert estimate(other).phases[0].images_per_s_per_gpu == 585.0  # as run at 8, planned at 16: the step's
+
+
+def test_a_per_gpu_batch_that_leaves_the_gpu_waiting_is_priced(tmp_path: Path) -> None:
+    """The sixth H200 run: the recipe as run at 8 images per GPU got 27.0 img/s at 256 px, the bare step
+    583 at 128. The plan runs at the first; the note says what each image costs against the second."""
+    train = {"256": {"images_per_s_per_device": 582.9, "batch_size": 128}}
+    train["512"] = {"images_per_s_per_device": 132.5, "batch_size": 32}
+    as_run = {"256": {"batch_size": 8, "images_per_s_per_device": 27.0}}
+    as_run["512"] = {"batch_size": 8, "images_per_s_per_device": 29.1}
+    bench = {"device": "NVIDIA H200", "num_devices": 1, "train": train, "trainer": {"as_recipe": as_run}}
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(bench))
+    est = estimate(plan("gpu.type=H200", f"throughput_from={path}", "encode.samples=0"))
+    assert [p.images_per_s_per_gpu for p in est.phases] == [27.0, 29.1]
+    small = [n for n in est.notes if "images per GPU run at" in n]
+    assert small[0].startswith(
+        "256 px: 8 images per GPU run at 5% of the images/s per GPU of 128 (27.0 against 582.9): "
+        "each image costs 21.6x the GPU-hours"
+    )
+    assert small[1].startswith("512 px: 8 images per GPU run at 22% of the images/s per GPU of 32")
+    assert len(small) == 2
 
 
 def test_bad_bench_json_names_the_fix(tmp_path: Path) -> None:

@@ -86,6 +86,10 @@ class TrainerBenchConfig:
     # px; []: the data resolution. Each runs over a dataset of its own: `make estimate` plans each phase of
     # the SD2 schedule with the rate measured at its resolution and the plan's microbatch.
     as_recipe_resolutions: list[int] = field(default_factory=list)
+    # Each also with these train overrides on top (name -> overrides), at each of those resolutions: what
+    # would change the rate a run gets at its microbatch, e.g. {no_fsdp: [fsdp=false]} (the U-Net one
+    # graph, no per-unit hooks) or CUDA graphs ([fsdp=false, compile_mode=reduce-overhead]: not under FSDP)
+    as_recipe_variants: dict[str, list[str]] = field(default_factory=dict)
 
 
 @dataclass

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from shared.buckets import parse_bucket
-from shared.contract import Shapes, make_row, mds_columns
+from shared.contract import SHARD_HASH, Shapes, make_row, mds_columns
 from shared.manifest import INDEX_NAME, DatasetManifest, Layout, ResolutionInfo, fingerprint
 from shared.presets import Preset
 from train.config import DataConfig
@@ -87,7 +87,9 @@ def _write_rows(
 
     geometry = None if bucket is None else (bucket, (0.0, 0.0, float(bucket[1]), float(bucket[0])))
 
-    with MDSWriter(out=str(out), columns=mds_columns(shapes), size_limit=SHARD_SIZE_LIMIT) as writer:
+    # hashed as encode writes its shards: train's loader verifies each on first read, as it will in a run
+    columns = mds_columns(shapes)
+    with MDSWriter(out=str(out), columns=columns, size_limit=SHARD_SIZE_LIMIT, hashes=[SHARD_HASH]) as writer:
         for i in range(rows):
             mean = rng.standard_normal(shapes.latent, dtype=np.float32)
             logvar = rng.uniform(*LOGVAR_RANGE, shapes.latent)

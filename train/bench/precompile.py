@@ -8,8 +8,9 @@ the cache folder, so child processes (`python -m train.bench.precompile CONFIG V
 it twice and exit, `workers` at a time, all into the cache folder the bench set (inherited through the
 environment). The timed sections then load each graph from the cache (15 s a shape on the H200). Children's
 times are not measurements: compiles side by side slow each other. A child that fails or runs out of time
-is logged and skipped: the section then compiles that shape itself. The VAE and the recipe as run (FSDP
-under Composer) still compile in their sections.
+is logged and skipped: the section then compiles that shape itself. The recipe as a run trains it
+(trainer.as_recipe: Composer's trainer, FSDP per block) is a unit too, at each of its resolutions: its child
+runs that section's own code for a few batches. The VAE still compiles in its section.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from shared.config import config_to_dict
 from shared.runtime.children import die_with_parent
 from shared.runtime.device import DeviceSetup
 from train.bench.config import BenchConfig, load_bench_config
+from train.bench.trainer.as_recipe import as_recipe_overrides
 from train.config import TrainConfig
 from train.model.compile_plan import use_compile
 
@@ -38,7 +40,7 @@ POLL_S = 0.5
 
 @dataclasses.dataclass(frozen=True)
 class Unit:
-    variant: str  # RECIPE or an anatomy variant's name
+    variant: str  # RECIPE, an anatomy variant's name, or a run of the recipe as run (as_recipe_overrides)
     resolution: int
     bucket: str = ""  # an aspect-ratio bucket's "HxW" (the buckets section's step), "" for the square
 
@@ -48,10 +50,15 @@ class Unit:
 
 
 def precompile_units(
-    cfg: BenchConfig, recipe_with: Callable[[list[str]], TrainConfig], kind: str
+    cfg: BenchConfig,
+    recipe_with: Callable[[list[str]], TrainConfig],
+    kind: str,
+    as_runs: dict[str, TrainConfig] | None = None,
 ) -> list[Unit]:
     """The recipe and every anatomy variant that compiles, at each step resolution; then the recipe at each
-    bucket of the buckets section that is not one of those squares."""
+    bucket of the buckets section that is not one of those squares; then each of `as_runs` (the recipe as
+    the train job loads it, and its variants, by run name) that compiles, at each trainer.as_recipe
+    resolution."""
     runs = {RECIPE: [], **(cfg.anatomy.variants if cfg.anatomy.enabled else {})}
     compiled = [name for name, extra in runs.items() if use_compile(recipe_with(list(extra)), kind)]
     units = [Unit(name, res) for name in compiled for res in cfg.step.resolutions]
@@ -59,6 +66,9 @@ def precompile_units(
         res, batch = cfg.bucket_resolution(), cfg.bucket_batch()
         square = f"{res}x{res}" if res in cfg.step.resolutions and batch == cfg.step.batch_for(res) else ""
         units += [Unit(RECIPE, res, name) for name in cfg.bucket_names() if name != square]
+    for name, run in (as_runs or {}).items():
+        if use_compile(run, kind):
+            units += [Unit(name, res) for res in cfg.as_recipe_at()]
     return units
 
 
@@ -145,12 +155,15 @@ def compile_unit(cfg: BenchConfig, unit: Unit, work: Path) -> float:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     setup = resolve_device_setup(cfg.device, cfg.precision, channels_last=False)
-    extra = [] if unit.variant == RECIPE else list(cfg.anatomy.variants[unit.variant])
     # the layout from the recipe, as the bench resolves it once for every section and variant
     base = load_recipe(cfg, setup, work)
     setup = dataclasses.replace(setup, channels_last=use_channels_last(base, setup.kind))
-    recipe = load_recipe(cfg, setup, work, extra)
     start = time.perf_counter()
+    as_runs = as_recipe_overrides(cfg.trainer.as_recipe_variants)
+    if unit.variant in as_runs:
+        _run_as_recipe(cfg, setup, as_runs[unit.variant], unit.resolution, work / unit.name)
+        return time.perf_counter() - start
+    recipe = load_recipe(cfg, setup, work, list(cfg.anatomy.variants.get(unit.variant, [])))
     if unit.bucket:
         batch, bucket = cfg.bucket_batch(), parse_bucket(unit.bucket)
     else:
@@ -160,6 +173,23 @@ def compile_unit(cfg: BenchConfig, unit: Unit, work: Path) -> float:
     step.run()
     setup.sync()
     return time.perf_counter() - start
+
+
+def _run_as_recipe(
+    cfg: BenchConfig, setup: DeviceSetup, extra: list[str], resolution: int, work: Path
+) -> None:
+    """trainer.as_recipe's own run (`extra`: a variant's overrides) at `resolution`, a few batches, over a
+    dataset of its own."""
+    from shared.presets import get_preset
+    from train.bench.config import load_recipe
+    from train.bench.data import write_synthetic_dataset
+    from train.bench.trainer.as_recipe import as_recipe_rows, bench_as_recipe
+
+    as_run = load_recipe(cfg, setup, work, extra, one_device=False)
+    root = work / "data"
+    rows = as_recipe_rows(cfg.loader.rows, as_run.device_microbatch_size)
+    write_synthetic_dataset(root, get_preset(cfg.preset), resolution, rows, cfg.seed)
+    bench_as_recipe(as_run, root, resolution, 1, 1, work / "run", setup, flops_per_image=0.0, peak=None)
 
 
 def main(argv: list[str]) -> int:

@@ -39,7 +39,7 @@ from train.bench.scale import bench_collectives
 from train.bench.scale_s3 import S3_RUN_BATCH, bench_s3_requests
 from train.bench.step import FlopCounts, bench_train_steps, count_flops, mfu, progress
 from train.bench.text_store import bench_text_store
-from train.bench.trainer.as_recipe import bench_as_recipe
+from train.bench.trainer.as_recipe import AS_RECIPE, as_recipe_overrides, as_recipe_rows, bench_as_recipe
 from train.bench.trainer.batches import bench_trainer
 from train.config import TrainConfig
 from train.model.assemble import INDUCTOR_CACHE_ENV, TRITON_CACHE_ENV, use_channels_last, use_compile_cache
@@ -84,10 +84,10 @@ def bench_data_sections(
     work: Path,
     flops: dict[int, FlopCounts],
     peak: float | None,
-    as_run: TrainConfig | None = None,
+    as_runs: dict[str, TrainConfig] | None = None,
 ) -> dict[str, Any]:
-    """Loader and trainer sections over one real MDS dataset written at the preset's shapes; `as_run`:
-    the recipe as the train job loads it, for trainer.as_recipe."""
+    """Loader and trainer sections over one real MDS dataset written at the preset's shapes; `as_runs`:
+    the recipe as the train job loads it and its variants (by run name), for trainer.as_recipe."""
     res, batch = cfg.data_resolution(), cfg.loader_batch()
     root = work / "dataset"
     manifest = write_synthetic_dataset(root, get_preset(cfg.preset), res, cfg.loader.rows, cfg.seed)
@@ -114,34 +114,46 @@ def bench_data_sections(
         )
         out["trainer"]["resolution"] = res
         out["trainer"]["recipe"] = cfg.recipe
-        if as_run is not None:
-            out["trainer"]["as_recipe"] = as_recipe_section(cfg, as_run, setup, work, root, flops, peak)
+        if as_runs:
+            out["trainer"] |= as_recipe_section(cfg, as_runs, setup, work, root, flops, peak)
     return out
 
 
 def as_recipe_section(
     cfg: BenchConfig,
-    as_run: TrainConfig,
+    as_runs: dict[str, TrainConfig],
     setup: DeviceSetup,
     work: Path,
     data_root: Path,
     flops: dict[int, FlopCounts],
     peak: float | None,
 ) -> dict[str, Any]:
-    """The recipe as a run of it trains, at each trainer.as_recipe resolution, over the data sections'
-    dataset where it fits, else one of its own."""
-    out, t = {}, cfg.trainer
-    rows = max(cfg.loader.rows, 2 * as_run.device_microbatch_size)  # two of its microbatches at least
+    """The recipe as a run of it trains (`as_recipe`), and each of its variants (`as_recipe_variants`, by
+    name, with their overrides), at each trainer.as_recipe resolution, over the data sections' dataset where
+    it fits, else one of their own."""
+    t = cfg.trainer
+    variants = t.as_recipe_variants
+    out: dict[str, Any] = {"as_recipe": {}, **({"as_recipe_variants": {}} if variants else {})}
+    datasets: dict[tuple[int, int], Path] = {}
     for res in cfg.as_recipe_at():
-        progress(f"trainer as {cfg.recipe} runs it at {res} px (its FSDP and microbatch; compiles first) ...")
-        root = data_root
-        if res != cfg.data_resolution() or rows != cfg.loader.rows:
-            root = work / f"dataset-{res}"
-            write_synthetic_dataset(root, get_preset(cfg.preset), res, rows, cfg.seed)
-        out[str(res)] = bench_as_recipe(
-            as_run, root, res, t.warmup, t.flow_batches, work / f"as-recipe-{res}", setup,
-            flops[res].unet_train_step, peak,
-        )  # fmt: skip
+        for name, run in as_runs.items():
+            progress(f"trainer as {cfg.recipe} runs it at {res} px ({name}: its FSDP and microbatch) ...")
+            rows = as_recipe_rows(cfg.loader.rows, run.device_microbatch_size)
+            if (res, rows) not in datasets:
+                datasets[res, rows] = data_root
+                if res != cfg.data_resolution() or rows != cfg.loader.rows:
+                    datasets[res, rows] = work / f"dataset-{res}-{rows}"
+                    write_synthetic_dataset(datasets[res, rows], get_preset(cfg.preset), res, rows, cfg.seed)
+            entry = bench_as_recipe(
+                run, datasets[res, rows], res, t.warmup, t.flow_batches, work / f"{name}-{res}", setup,
+                flops[res].unet_train_step, peak,
+            )  # fmt: skip
+            if name == AS_RECIPE:
+                out["as_recipe"][str(res)] = entry
+            else:
+                short = name.removeprefix(f"{AS_RECIPE}.")
+                entry["overrides"] = list(variants[short])
+                out["as_recipe_variants"].setdefault(short, {})[str(res)] = entry
     return out
 
 
@@ -175,10 +187,13 @@ def anatomy_section(
     return out
 
 
-def precompile_section(cfg: BenchConfig, setup: DeviceSetup, work: Path) -> dict[str, Any]:
-    """The recipe and the compiled anatomy variants compiled side by side into the cache the sections then
-    load from (train/bench/precompile.py)."""
-    units = precompile_units(cfg, lambda extra: load_recipe(cfg, setup, work, extra), setup.kind)
+def precompile_section(
+    cfg: BenchConfig, setup: DeviceSetup, work: Path, as_runs: dict[str, TrainConfig]
+) -> dict[str, Any]:
+    """The recipe, the compiled anatomy variants and the recipe as run compiled side by side into the cache
+    the sections then load from (train/bench/precompile.py)."""
+    recipe_with = lambda extra: load_recipe(cfg, setup, work, extra)  # noqa: E731
+    units = precompile_units(cfg, recipe_with, setup.kind, as_runs)
     workers = worker_count(cfg, setup)
     if workers < 2 or not units:  # one at a time is what the sections do anyway
         names = [u.name for u in units]
@@ -263,7 +278,10 @@ def _run_sections(cfg: BenchConfig) -> dict[str, Any]:
     with _scratch(cfg.work_dir) as work:
         recipe = load_recipe(cfg, setup, work)
         # loaded here, so a bad override stops the bench at its start, not an hour in
-        as_run = load_recipe(cfg, setup, work, one_device=False) if cfg.as_recipe_at() else None
+        as_runs = {
+            name: load_recipe(cfg, setup, work, extra, one_device=False)
+            for name, extra in as_recipe_overrides(cfg.trainer.as_recipe_variants).items()
+        } if cfg.as_recipe_at() else {}  # fmt: skip
         # The layout is the recipe's train config switch, resolved as the train job resolves it.
         setup = dataclasses.replace(setup, channels_last=use_channels_last(recipe, setup.kind))
         with partial.section("flops"):
@@ -272,7 +290,7 @@ def _run_sections(cfg: BenchConfig) -> dict[str, Any]:
             flops = count_flops(cfg.preset, sorted(counted))
         if cfg.precompile.workers:
             with partial.section("precompile"):
-                result["precompile"] = precompile_section(cfg, setup, work)
+                result["precompile"] = precompile_section(cfg, setup, work, as_runs)
         with partial.section("train"):
             train = bench_train_steps(recipe, setup, cfg.step, flops, peak, cfg.seed)
         result |= {
@@ -300,7 +318,7 @@ def _run_sections(cfg: BenchConfig) -> dict[str, Any]:
                 result["text_store"] = bench_text_store(recipe, setup, cfg.step, flops, cfg.seed)
         if cfg.loader.enabled or cfg.trainer.enabled:
             with partial.section("data"):
-                result |= bench_data_sections(cfg, recipe, setup, work, flops, peak, as_run)
+                result |= bench_data_sections(cfg, recipe, setup, work, flops, peak, as_runs)
         if cfg.encode.enabled:
             with partial.section("encode"):
                 result["encode"] = bench_encode_section(cfg, setup, work, flops, peak)

@@ -68,7 +68,8 @@ def bench_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any],
     """The quick config at minimal repeats, run once for the whole module: (result, out dir)."""
     base = tmp_path_factory.mktemp("bench")
     out = base / "out"
-    cfg = load_bench_config("quick", [*MINIMAL, f"out_dir={out}", f"work_dir={base / 'work'}"])
+    variants = "trainer.as_recipe_variants={no_fsdp: [fsdp=false, device_microbatch_size=2]}"
+    cfg = load_bench_config("quick", [*MINIMAL, variants, f"out_dir={out}", f"work_dir={base / 'work'}"])
     threads = torch.get_num_threads()
     result = run_bench(cfg)
     assert torch.get_num_threads() == threads, "run_bench must hand back the caller's torch thread count"
@@ -131,6 +132,11 @@ def test_bench_writes_json_with_every_section(bench_run: tuple[dict[str, Any], P
     device, run_s = encode["device_s"], sorted(encode["pipeline_s"])[len(encode["pipeline_s"]) // 2]
     assert positive(device["busy"]) and device["busy"] <= (launch["text"] + launch["vae"]) * run_s + 1e-3
     assert 0 < encode["device_idle_share"] < 1 and positive(encode["device_busy_samples_per_s"])
+    # once running: the span from the first model call to the last, worker start-up left out
+    assert encode["steady_samples_per_s"] > encode["images_per_s_per_device"]
+    assert encode["steady_share_of_bound"] == pytest.approx(
+        encode["steady_samples_per_s"] / encode["bound_samples_per_s"]
+    )
 
 
 def test_bench_runs_the_recipe_as_a_run_of_it_trains(bench_run: tuple[dict[str, Any], Path]) -> None:
@@ -148,10 +154,24 @@ def test_bench_runs_the_recipe_as_a_run_of_it_trains(bench_run: tuple[dict[str, 
         assert positive(as_run["per_batch_s"]) and positive(as_run["first_batch_s"])
         assert as_run["images_per_s_per_device"] == pytest.approx(4 / as_run["per_batch_s"])
         assert as_run["mfu"] is None  # no peak_tflops on CPU
+        # its bare step profiled: the ATen ops it launches (on a GPU also its kernels and busy share)
+        assert as_run["profile"]["top_level_aten_ops_per_step"] > 0
+        assert as_run["profile"]["time_kind"] == "CPU self time"
         (line,) = [n for n in result["findings"] if n.startswith(f"tiny as a run of it trains at {res} px")]
         assert "FSDP SHARD_GRAD_OP per block, NCHW" in line and "microbatch 4" in line
         assert "the step section's" in line
         assert f"tiny as run, {res} px (FSDP SHARD_GRAD_OP per block" in markdown
+        # each trainer.as_recipe_variants entry, run the same way with its overrides on top
+        variant = result["trainer"]["as_recipe_variants"]["no_fsdp"][res]
+        assert variant["overrides"] == ["fsdp=false", "device_microbatch_size=2"]
+        assert not variant["fsdp"] and variant["batch_size"] == 2 and variant["resolution"] == int(res)
+        assert variant["images_per_s_per_device"] == pytest.approx(2 / variant["per_batch_s"])
+        start = "tiny as run with no_fsdp (fsdp=false, device_microbatch_size=2) at "
+        (line,) = [
+            n for n in result["findings"] if n.startswith(f"{start}{res} px (no FSDP, NCHW, microbatch 2")
+        ]
+        assert "x the recipe as run" in line
+        assert f"tiny as run with no_fsdp, {res} px (no FSDP, NCHW, microbatch 2)" in markdown
 
 
 @pytest.mark.slow
@@ -465,6 +485,70 @@ def test_precompile_lists_each_bucket_but_the_square_it_already_has_and_builds_o
     finally:
         forget_compiled_code()
     assert "precompiled recipe at 80x48 px" in capsys.readouterr().out
+
+
+def test_the_anatomy_compile_cache_serves_its_own_compile_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """anatomy.compile_cache_dir times the compile in a cache of its own (cold the first time, warm the
+    next); the variants and buckets after it compile into the bench's cache again, where precompile's
+    children wrote. It used to switch the process over for good, so every later variant compiled cold."""
+    import os
+
+    from train.bench.anatomy.compiled import compile_anatomy
+    from train.model.assemble import INDUCTOR_CACHE_ENV, forget_compiled_code
+
+    monkeypatch.setenv(INDUCTOR_CACHE_ENV, str(tmp_path / "bench"))
+    layer, seen = torch.nn.Linear(2, 2), []
+
+    def step() -> None:
+        seen.append(os.environ[INDUCTOR_CACHE_ENV])
+        layer(torch.ones(1, 2))
+
+    try:
+        compile_anatomy(layer, step, lambda: None, "eager", 1, str(tmp_path / "anatomy"))
+    finally:
+        forget_compiled_code()
+    assert set(seen) == {str(tmp_path / "anatomy")}
+    assert os.environ[INDUCTOR_CACHE_ENV] == str(tmp_path / "bench")
+
+
+def test_precompile_runs_the_recipe_as_run_at_each_of_its_resolutions(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """trainer.as_recipe (Composer's trainer, FSDP per block) is a unit at each of its resolutions where the
+    recipe as run compiles, and not where it does not; its child runs that section's own trainer."""
+    import yaml
+
+    from shared.config import config_to_dict
+    from train.bench.precompile import main, precompile_units
+    from train.model.assemble import forget_compiled_code
+
+    compiled = "recipe_overrides=[compile=true,compile_backend=aot_eager,fsdp=true]"
+    only = ["anatomy.variants={}", "anatomy.baseline=recipe", "buckets.enabled=false"]
+    variants = "trainer.as_recipe_variants={micro_2: [device_microbatch_size=2]}"
+    cfg = load_bench_config(
+        "quick", [*MINIMAL, compiled, *only, "trainer.as_recipe_resolutions=[64,32]", variants]
+    )
+    setup = resolve_device_setup("cpu", "fp32", channels_last=False)
+    recipe_with = lambda extra: load_recipe(cfg, setup, tmp_path, extra)  # noqa: E731
+    runs = {"as_recipe": [], "as_recipe.eager": ["compile=false"]}
+    runs["as_recipe.micro_2"] = ["device_microbatch_size=2"]
+    as_runs = {name: load_recipe(cfg, setup, tmp_path, o, one_device=False) for name, o in runs.items()}
+    units = [u.name for u in precompile_units(cfg, recipe_with, "cpu", as_runs)]
+    assert units[:4] == ["recipe-64", "recipe-128", "as_recipe-64", "as_recipe-32"]
+    assert units[4:] == [
+        "as_recipe.micro_2-64",
+        "as_recipe.micro_2-32",
+    ]  # the eager variant: nothing to build
+    config = tmp_path / "bench.yaml"
+    config.write_text(yaml.safe_dump(config_to_dict(cfg)))
+    try:
+        assert main([str(config), "as_recipe.micro_2", "32"]) == 0
+    finally:
+        forget_compiled_code()
+    assert "precompiled as_recipe.micro_2 at 32 px" in capsys.readouterr().out
+    assert (tmp_path / "as_recipe.micro_2-32" / "data").is_dir()
 
 
 def test_a_cuda_graph_variant_counts_the_graphs_inductor_left_uncaptured(

@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-from train.model.assemble import forget_compiled_code, use_compile_cache
+from shared.runtime.environ import restored_environ
+from train.model.assemble import INDUCTOR_CACHE_ENV, TRITON_CACHE_ENV, forget_compiled_code, use_compile_cache
 
 
 def _dynamo_counts() -> dict[str, int]:
@@ -41,8 +42,17 @@ def compile_anatomy(
     cache_dir: str = "",
 ) -> dict[str, Any]:
     """Compile `unet` in place with `backend`, then time its first step (compilation included) and `steps`
-    more; counts as in the module doc. `run_step` runs one full train step on the model holding `unet`."""
-    use_compile_cache(cache_dir)
+    more; counts as in the module doc. `run_step` runs one full train step on the model holding `unet`.
+    `cache_dir` serves this compile only: the sections after it compile into the bench's cache again, the
+    one precompile's children filled (switching for good made every later variant compile cold)."""
+    with restored_environ((INDUCTOR_CACHE_ENV, TRITON_CACHE_ENV)):
+        use_compile_cache(cache_dir)
+        return _compile_and_time(unet, run_step, sync, backend, steps)
+
+
+def _compile_and_time(
+    unet: torch.nn.Module, run_step: Callable[[], None], sync: Callable[[], None], backend: str, steps: int
+) -> dict[str, Any]:
     forget_compiled_code()
     torch._dynamo.utils.counters.clear()
     unet.compile(backend=backend, dynamic=False)  # as the train job compiles it (train/model/assemble.py)

@@ -13,6 +13,7 @@ self time.
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable
 from typing import Any
 
 from train.bench.anatomy.ops import PHASES, FullStep, family_of
@@ -55,15 +56,22 @@ def profile_steps(step: FullStep, steps: int) -> dict[str, Any]:
     """`steps` steps under the torch profiler: top-level ATen ops per step (a GPU launches a kernel for
     each; inductor's fused kernels are not ATen ops), and time by phase and by family in seconds per step
     (kernel time on a GPU, plus its busy time and costliest kernels; ATen CPU self time on CPU)."""
+    return profile_calls(step.run, step.setup.device.type == "cuda", step.setup.sync, steps)
+
+
+def profile_calls(
+    run: Callable[[Any], None], cuda: bool, sync: Callable[[], None], steps: int
+) -> dict[str, Any]:
+    """`run(record_function)` `steps` times under the profiler, as `profile_steps` (a step that labels no
+    phases counts all of it as "step")."""
     from torch.autograd.profiler import record_function
     from torch.profiler import ProfilerActivity, profile
 
-    cuda = step.setup.device.type == "cuda"
     activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
     with profile(activities=activities) as prof:
         for _ in range(steps):
-            step.run(record_function)
-        step.setup.sync()
+            run(record_function)
+        sync()
     events = prof.events()
     launches: collections.Counter[str] = collections.Counter()
     for event in events:

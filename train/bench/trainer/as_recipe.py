@@ -22,6 +22,19 @@ from train.config import TrainConfig
 from train.model.assemble import use_channels_last, weights_channels_last
 from train.model.compile_plan import use_compile
 
+PROFILE_STEPS = 2
+AS_RECIPE = "as_recipe"  # the recipe as run; its variants are "as_recipe.<name>" (also precompile's units)
+
+
+def as_recipe_overrides(variants: dict[str, list[str]]) -> dict[str, list[str]]:
+    """The recipe as run and each trainer.as_recipe_variants entry: run name -> train overrides on top."""
+    return {AS_RECIPE: [], **{f"{AS_RECIPE}.{name}": list(extra) for name, extra in variants.items()}}
+
+
+def as_recipe_rows(loader_rows: int, microbatch: int) -> int:
+    """Rows of the dataset the recipe as run reads: the data sections' count, two microbatches at least."""
+    return max(loader_rows, 2 * microbatch)
+
 
 def bench_as_recipe(
     recipe: TrainConfig,
@@ -38,7 +51,7 @@ def bench_as_recipe(
     at its microbatch, and how the U-Net ran (wrapped, compiled, layout of the conv kernels)."""
     batch = recipe.device_microbatch_size
     run = bench_trainer(
-        recipe, root, resolution, batch, 1, warmup, work, setup, flow_batches, fsdp=recipe.fsdp
+        recipe, root, resolution, batch, 1, warmup, work, setup, flow_batches, recipe.fsdp, PROFILE_STEPS
     )
     per_batch = run["flow"]["composer_per_batch_s"]
     rate = batch / per_batch
@@ -55,4 +68,7 @@ def bench_as_recipe(
         "images_per_s_per_device": rate,
         "mfu": mfu(flops_per_image, rate, peak),
         "composer_outside_share": run["flow"]["outside_share"],
+        # the bare step profiled: ATen ops launched per step; on a GPU its kernels and the device's busy
+        # share (the sixth H200 run: 8 images per GPU ran at 27 img/s against 583 for 128 unwrapped)
+        "profile": run["profile"],
     }

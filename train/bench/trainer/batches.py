@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from shared.runtime.device import DeviceSetup
+from train.bench.anatomy.profile import profile_calls
 from train.bench.step import train_step
 from train.bench.trainer.syncs import Readbacks, count_readbacks, step_tracker
 from train.config import TrainConfig
@@ -254,10 +255,12 @@ def bench_trainer(
     setup: DeviceSetup,
     flow_batches: int = 0,
     fsdp: bool = False,
+    profile_steps: int = 0,
 ) -> dict[str, Any]:
     """Composer's wall time per batch (data, EMA, clipping, callbacks, logging included) vs the step work
     inside it, and vs the bare step timed after every batch on the trainer's own model, optimizer and
-    batch; then (flow_batches) unsynced batches against as many bare steps back to back."""
+    batch; then (flow_batches) unsynced batches against as many bare steps back to back; then
+    (profile_steps) bare steps under the profiler: ATen ops launched, kernels and the device's busy share."""
     attributed = warmup + batches
     # At least one batch after the attributed ones: the last of those ends at the next BEFORE_DATALOADER.
     total = attributed + max(flow_batches, 1)
@@ -277,6 +280,7 @@ def bench_trainer(
         try:
             trainer.fit()
             flow = flow_against_bare_steps(clock) if flow_batches else None
+            profiled = profile_bare_steps(clock, setup, profile_steps, flow) if profile_steps else None
         finally:
             trainer.close()
     timed_steps = range(warmup + 1, warmup + batches + 1)
@@ -285,6 +289,22 @@ def bench_trainer(
     out["host_reads_per_step"] = reads_per_step(reads, timed_steps)
     if flow is not None:
         out["flow"] = flow
+    if profiled is not None:
+        out["profile"] = profiled
+    return out
+
+
+def profile_bare_steps(
+    clock: BatchClock, setup: DeviceSetup, steps: int, flow: dict[str, Any] | None
+) -> dict[str, Any]:
+    """The bare step on the last batch under the profiler; on a GPU its kernel time over the flow's bare
+    step time is how busy the device is (far under 1: the host's launches, not the U-Net, set the pace)."""
+    if clock.last_batch is None:
+        raise RuntimeError("the trainer bench ran no batch to profile")
+    batch = clock.last_batch
+    out = profile_calls(lambda _label: clock.bare_step(batch), setup.device.type == "cuda", setup.sync, steps)
+    if flow and (busy := out.get("device_seconds_per_step")):
+        out["device_busy_share"] = busy / flow["bare_per_step_s"]
     return out
 
 

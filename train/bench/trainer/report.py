@@ -44,7 +44,28 @@ def trainer_findings(trainer: dict[str, Any], train: dict[str, Any]) -> list[str
         )
     for res, as_run in trainer.get("as_recipe", {}).items():
         notes.append(as_recipe_finding(trainer["recipe"], as_run, train.get(res)))
+    for name, runs in trainer.get("as_recipe_variants", {}).items():
+        for res, run in runs.items():
+            notes.append(variant_finding(trainer["recipe"], name, run, trainer["as_recipe"].get(res)))
     return notes
+
+
+def variant_finding(recipe: str, name: str, run: dict[str, Any], as_run: dict[str, Any] | None) -> str:
+    """A trainer.as_recipe_variants entry against the recipe as run at the same resolution."""
+    line = (
+        f"{recipe} as run with {name} ({', '.join(run['overrides'])}) at {run['resolution']} px "
+        f"({_wrapped(run)}, microbatch {run['batch_size']}, {'compiled' if run['compiled'] else 'eager'}): "
+        f"{_rate(run)}"
+    )
+    if busy := run.get("profile", {}).get("device_busy_share"):
+        line += f"; device busy {busy:.0%} of its bare step"
+    if as_run:
+        line += f"; {_gain(run, as_run):.2f}x the recipe as run"
+    return line
+
+
+def _gain(run: dict[str, Any], as_run: dict[str, Any]) -> float:
+    return run["images_per_s_per_device"] / as_run["images_per_s_per_device"]
 
 
 def _layout(as_run: dict[str, Any]) -> str:
@@ -72,6 +93,8 @@ def as_recipe_finding(recipe: str, as_run: dict[str, Any], step: dict[str, Any] 
         f"{'compiled' if as_run['compiled'] else 'eager'}; one device, no communication): "
         f"{_rate(as_run)}, first batch {as_run['first_batch_s']:.1f} s"
     )
+    if busy := as_run.get("profile", {}).get("device_busy_share"):
+        line += f"; device busy {busy:.0%} of its bare step"
     if step:
         share = as_run["images_per_s_per_device"] / step["images_per_s_per_device"]
         line += f"; {share:.2f}x the step section's {step['images_per_s_per_device']:,.1f} img/s at batch "
@@ -112,4 +135,15 @@ def trainer_rows(trainer: dict[str, Any], train: dict[str, Any]) -> list[list[st
                 against,
             ]
         )
+    for name, runs in trainer.get("as_recipe_variants", {}).items():
+        for res, run in runs.items():
+            base = trainer["as_recipe"].get(res)
+            rows.append(
+                [
+                    f"{trainer['recipe']} as run with {name}, {res} px ({_wrapped(run)}, microbatch "
+                    f"{run['batch_size']})",
+                    _rate(run),
+                    f"{_gain(run, base):.2f}x the recipe as run" if base else "-",
+                ]
+            )
     return rows

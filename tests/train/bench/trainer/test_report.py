@@ -44,3 +44,11 @@ def test_the_table_row_names_the_recipe_and_its_step_section_peer() -> None:
     rows = trainer_rows(trainer, {"256": STEP})
     assert rows[-1][1:] == ["320.0 img/s, 17.4% MFU", "step section 585.0 img/s at batch 128"]
     assert rows[-1][0].startswith("sd2-base-256 as run, 256 px (FSDP SHARD_GRAD_OP per block, NHWC")
+
+
+def test_the_recipe_as_run_says_how_busy_its_device_was() -> None:
+    """As measured on an H200 (sixth run): 27.0 img/s at 256 px, 8 per GPU; its profile adds busy share."""
+    measured = AS_RUN | {"first_batch_s": 16.2, "images_per_s_per_device": 27.0, "mfu": 0.0147}
+    line = as_recipe_finding("sd2-base-256", measured | {"profile": {"device_busy_share": 0.12}}, STEP)
+    assert "27.0 img/s, 1.5% MFU, first batch 16.2 s; device busy 12% of its bare step; 0.05x" in line
+    assert "device busy" not in as_recipe_finding("sd2-base-256", measured | {"profile": {}}, STEP)
