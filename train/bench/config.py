@@ -113,6 +113,9 @@ class AnatomyBenchConfig:
     # clipping and EMA) is timed for each, one after the other, and against the recipe as is, at every
     # step.resolutions entry (one model on the device at a time: SD2-base state is 17 GB).
     variants: dict[str, list[str]] = field(default_factory=dict)
+    # The compiled backward's convolution inputs in the GPU layout, counted by tracing it (batch 1), without
+    # and with model.keep_channels_last: how many cuDNN must convert first (train/model/layout.py)
+    conv_layouts: bool = True
     baseline: str = "recipe"  # what each variant's gain is over: "recipe" (as is) or a variant's name
     variant_repeats: int = allowed(3, ge=1)
 

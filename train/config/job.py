@@ -173,6 +173,11 @@ class TrainConfig:
             raise ConfigError(
                 f"model.beta_start ({model.beta_start}) must be below model.beta_end ({model.beta_end})"
             )
+        if model.keep_channels_last and not model.low_precision_norms:
+            raise ConfigError(
+                "model.keep_channels_last rewrites the low-precision GroupNorm: "
+                "set model.low_precision_norms=true"
+            )
 
     def eval_batch_size(self) -> int:
         """(sample, timestep) pairs per eval forward on each rank."""

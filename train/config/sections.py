@@ -45,6 +45,12 @@ class ModelConfig:
     # half their bytes, and one dtype for inductor to fuse each norm with its SiLU. Only acts under autocast
     # (GPU amp_bf16): an fp32 run, every CPU run, computes exactly what it did without it.
     low_precision_norms: bool = False
+    # Keep the compiled U-Net's activations channels_last end to end (train/model/layout.py): GroupNorm as
+    # reductions over a grouped view (ATen's CUDA kernel and its decomposition both hand back NCHW), and each
+    # convolution's input and gradient made channels_last. On the H200 7% of the step was cuDNN's
+    # convolution backward converting NCHW tensors it was fed. Acts only when compiled with channels_last;
+    # not yet timed on a GPU, so off (make bench BENCH=full's keep_channels_last variant measures it).
+    keep_channels_last: bool = False
     # text.store=tokens datasets: a diffusers folder / hub id with text_encoder/ + tokenizer/ to run in the
     # step (None: the folder the dataset manifest records). Its weights hash must match the manifest's.
     text_encoder: str | None = None

@@ -38,6 +38,7 @@ from shared.presets import get_preset
 from train.config import TrainConfig
 from train.model.compile_plan import use_compile
 from train.model.diffusion import DiffusionModel, Objective
+from train.model.layout import keep_channels_last
 from train.model.online_text import OnlineText
 
 if TYPE_CHECKING:
@@ -170,6 +171,9 @@ def assemble_model(
         unet.to(memory_format=torch.channels_last)
     if cfg.compile is None and device != "gpu":
         log.info("compile off on CPU (compile: null); compile=true compiles here too")
+    if cfg.model.keep_channels_last and use_channels_last(cfg, device) and use_compile(cfg, device):
+        kept = keep_channels_last(unet)
+        log.info("model.keep_channels_last: %s kept channels_last (train/model/layout.py)", kept)
     if use_compile(cfg, device):
         use_compile_cache(cfg.compile_cache_dir)
         compile_unet(unet, cfg)

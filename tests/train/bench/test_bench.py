@@ -52,6 +52,7 @@ MINIMAL = [
     "anatomy.compile_backend=eager",  # dynamo's graphs, breaks and recompiles without AOT or codegen
     "anatomy.compile_steps=1",
     "anatomy.variant_repeats=1",
+    "anatomy.conv_layouts=false",  # two traced compiles of the U-Net: the shared bench_run turns it on
     "encode.vae_resolutions=[64]",
     "encode.vae_batch_size=2",
     "buckets.bucket_step=16",  # 64 px: 80x48, 64x64, 48x80 (at step 64 only the square)
@@ -69,7 +70,14 @@ def bench_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any],
     base = tmp_path_factory.mktemp("bench")
     out = base / "out"
     variants = "trainer.as_recipe_variants={no_fsdp: [fsdp=false, device_microbatch_size=2]}"
-    cfg = load_bench_config("quick", [*MINIMAL, variants, f"out_dir={out}", f"work_dir={base / 'work'}"])
+    overrides = [
+        *MINIMAL,
+        variants,
+        "anatomy.conv_layouts=true",
+        f"out_dir={out}",
+        f"work_dir={base / 'work'}",
+    ]
+    cfg = load_bench_config("quick", overrides)
     threads = torch.get_num_threads()
     result = run_bench(cfg)
     assert torch.get_num_threads() == threads, "run_bench must hand back the caller's torch thread count"
@@ -367,6 +375,14 @@ def test_bench_takes_the_step_apart(bench_run: tuple[dict[str, Any], Path]) -> N
     compiled = anatomy["compiled"]
     assert compiled["graph_breaks"] == 0 and compiled["recompiles_after_first_step"] == 0
     assert compiled["graphs"] >= 1 and compiled["compile_s"] >= 0
+    # the compiled backward in the GPU layout: convolution backwards fed NCHW tensors, none with
+    # model.keep_channels_last (train/model/layout.py)
+    layouts = anatomy["conv_backward_layouts"]
+    without, kept = layouts["without"], layouts["keep_channels_last"]
+    assert without["convolution_backwards"] == kept["convolution_backwards"] > 0
+    assert without["nchw_gradient"] > 0 and without["nchw_input"] > 0
+    assert kept["nchw_gradient"] == kept["nchw_input"] == 0
+    assert any(n.startswith("compiled backward, channels_last: of ") for n in result["findings"])
     memory = anatomy["memory"]
     assert positive(memory["activation_bytes_per_image"])
     assert (

@@ -88,13 +88,18 @@ def test_loss_matches_diffusers_recipe_with_low_precision_norms() -> None:
 COMPILED = ("model.low_precision_norms=true", "compile=true", "compile_backend=aot_eager")
 
 
+@pytest.mark.parametrize("keep", [False, True], ids=["", "keep_channels_last"])
 @pytest.mark.parametrize("scope", ["unet", "blocks"])
-def test_compiled_step_with_the_switches_has_no_breaks_recompiles_or_readbacks(scope: str) -> None:
+def test_compiled_step_with_the_switches_has_no_breaks_recompiles_or_readbacks(
+    scope: str, keep: bool
+) -> None:
     """Both compile scopes: no graph break, nothing compiled after the first step, no read-back, and the
     step's loss and gradients are the eager step's (aot_eager runs the same ATen ops). Blocks: every block
     is its own graph (transformer blocks recompile per instance in the first step, by design). In the GPU
-    layout (channels_last; no FSDP, so the 4-D conv kernels are NHWC too)."""
+    layout (channels_last; no FSDP, so the 4-D conv kernels are NHWC too); with model.keep_channels_last
+    too (its GroupNorm, attention-output and convolution hooks change layouts, not values)."""
     switches = (*COMPILED, f"compile_scope={scope}", "channels_last=true")  # the GPU layout, NHWC weights
+    switches += ("model.keep_channels_last=true",) if keep else ()
     model, batch = model_and_batch(*switches)
     eager, _ = model_and_batch(*COMPILED[:1])  # NCHW, uncompiled
     cfg = tiny_config("unused", "unused", "unused", *switches)

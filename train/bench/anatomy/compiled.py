@@ -80,3 +80,41 @@ def _compile_and_time(
         "recompiles_after_first_step": after_all["recompiles"] - after_first["recompiles"],
         "graph_break_reasons": graph_break_reasons(),
     }
+
+
+def conv_backward_layouts(unet: torch.nn.Module, run_step: Callable[[], None]) -> dict[str, int]:
+    """The layouts the compiled step's backward hands cuDNN: compile `unet` in place with a backend that
+    reads AOT autograd's backward graphs (what inductor sees, with its decompositions), run one step, and
+    count the `aten.convolution_backward` calls fed an NCHW gradient or input. Inductor passes a fallback
+    op its tensors at the graph's strides, and cuDNN converts each NCHW one to NHWC first: on the H200 those
+    copies were 7% of the step (train/model/layout.py)."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._inductor.decomposition import select_decomp_table
+
+    counts = {"convolution_backwards": 0, "nchw_gradient": 0, "nchw_input": 0}
+
+    def read_backward(gm: torch.fx.GraphModule, _inputs: Any) -> Any:
+        for node in gm.graph.nodes:
+            if node.op == "call_function" and node.target is torch.ops.aten.convolution_backward.default:
+                grad, given = (arg.meta.get("val") for arg in node.args[:2])
+                counts["convolution_backwards"] += 1
+                counts["nchw_gradient"] += not _nhwc(grad)
+                counts["nchw_input"] += not _nhwc(given)
+        return make_boxed_func(gm)
+
+    forward = lambda gm, _inputs: make_boxed_func(gm)  # noqa: E731
+    backend = aot_autograd(
+        fw_compiler=forward, bw_compiler=read_backward, decompositions=select_decomp_table()
+    )
+    forget_compiled_code()
+    try:
+        unet.compile(backend=backend, dynamic=False)
+        run_step()
+    finally:
+        forget_compiled_code()
+    return counts
+
+
+def _nhwc(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and t.is_contiguous(memory_format=torch.channels_last)

@@ -133,6 +133,23 @@ def anatomy_findings(anatomy: dict[str, Any]) -> list[str]:
     if compiled := anatomy.get("compiled"):
         notes.append(compiled_finding(res, eager, compiled))
     notes.append(memory_finding(anatomy["memory"]))
+    if layouts := anatomy.get("conv_backward_layouts"):
+        notes.append(layout_finding(layouts))
     if variants := anatomy.get("variants"):
         notes += variant_findings(variants, anatomy.get("baseline", "recipe"))
     return notes
+
+
+def layout_finding(layouts: dict[str, Any]) -> str:
+    """The compiled backward's convolution inputs in the GPU layout, without and with keep_channels_last."""
+
+    def fed(counts: dict[str, int]) -> str:
+        return f"{counts['nchw_gradient']} an NCHW gradient and {counts['nchw_input']} an NCHW input"
+
+    without, kept = layouts["without"], layouts["keep_channels_last"]
+    used = "on in the recipe" if layouts["recipe_keeps_channels_last"] else "off in the recipe"
+    return (
+        f"compiled backward, channels_last: of {without['convolution_backwards']} convolution backwards, "
+        f"{fed(without)} (cuDNN converts each first: 7% of the H200 step); with model.keep_channels_last "
+        f"({used}) {fed(kept)}"
+    )

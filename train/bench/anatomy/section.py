@@ -13,7 +13,7 @@ import torch
 
 from shared.presets import get_preset
 from shared.runtime.device import DeviceSetup
-from train.bench.anatomy.compiled import compile_anatomy
+from train.bench.anatomy.compiled import compile_anatomy, conv_backward_layouts
 from train.bench.anatomy.memory import activation_bytes_per_image, batch_per_gpu
 from train.bench.anatomy.ops import FullStep, cpu_autocast_like_cuda, dispatch_tally
 from train.bench.anatomy.profile import profile_steps
@@ -22,6 +22,7 @@ from train.bench.step import FlopCounts, StepBench, mfu, progress, synthetic_lat
 from train.config import TrainConfig
 from train.model.assemble import forget_compiled_code
 from train.model.compile_plan import use_compile
+from train.model.layout import keep_channels_last
 
 WARMUP_STEPS = 2  # a variant's untimed steps: compilation, optimizer state, cuDNN autotuning, allocator
 
@@ -102,6 +103,25 @@ def bench_anatomy(cfg: BenchConfig, recipe: TrainConfig, setup: DeviceSetup) -> 
         forget_compiled_code()
     del step
     _free()
+    if plan.conv_layouts:
+        out["conv_backward_layouts"] = layout_section(recipe, setup, res, cfg.seed)
+    return out
+
+
+def layout_section(recipe: TrainConfig, setup: DeviceSetup, resolution: int, seed: int) -> dict[str, Any]:
+    """What the compiled step's backward hands cuDNN in the GPU layout (channels_last, whatever this device
+    runs; low-precision norms), batch 1: without and with model.keep_channels_last (train/model/layout.py)."""
+    nhwc = dataclasses.replace(setup, channels_last=True)
+    out: dict[str, Any] = {"recipe_keeps_channels_last": recipe.model.keep_channels_last}
+    for name, keep in (("without", False), ("keep_channels_last", True)):
+        model = dataclasses.replace(recipe.model, keep_channels_last=keep, low_precision_norms=True)
+        eager = dataclasses.replace(recipe, compile=False, channels_last=True, model=model)
+        step = full_step(eager, nhwc, resolution, 1, seed)
+        if keep:  # assemble_model applies it to compiled runs only; this step compiles below
+            keep_channels_last(step.model.unet)
+        out[name] = conv_backward_layouts(step.model.unet, step.run)
+        del step
+        _free()
     return out
 
 
