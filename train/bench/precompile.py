@@ -27,10 +27,12 @@ from typing import Any
 import yaml
 
 from shared.config import config_to_dict
+from shared.presets import get_preset
 from shared.runtime.children import die_with_parent
 from shared.runtime.device import DeviceSetup
-from train.bench.config import BenchConfig, load_bench_config
-from train.bench.trainer.as_recipe import as_recipe_overrides
+from train.bench.config import BenchConfig, load_bench_config, load_recipe
+from train.bench.data import write_synthetic_dataset
+from train.bench.trainer.as_recipe import as_recipe_overrides, as_recipe_rows, bench_as_recipe
 from train.config import TrainConfig
 from train.model.compile_plan import use_compile
 
@@ -149,7 +151,6 @@ def compile_unit(cfg: BenchConfig, unit: Unit, work: Path) -> float:
     from shared.buckets import parse_bucket
     from shared.runtime.device import resolve_device_setup
     from train.bench.anatomy.section import full_step
-    from train.bench.config import load_recipe
     from train.model.assemble import use_channels_last
 
     if cfg.threads:
@@ -180,11 +181,6 @@ def _run_as_recipe(
 ) -> None:
     """trainer.as_recipe's own run (`extra`: a variant's overrides) at `resolution`, a few batches, over a
     dataset of its own."""
-    from shared.presets import get_preset
-    from train.bench.config import load_recipe
-    from train.bench.data import write_synthetic_dataset
-    from train.bench.trainer.as_recipe import as_recipe_rows, bench_as_recipe
-
     as_run = load_recipe(cfg, setup, work, extra, one_device=False)
     root = work / "data"
     rows = as_recipe_rows(cfg.loader.rows, as_run.device_microbatch_size)

@@ -134,18 +134,20 @@ def as_recipe_section(
     t = cfg.trainer
     variants = t.as_recipe_variants
     out: dict[str, Any] = {"as_recipe": {}, **({"as_recipe_variants": {}} if variants else {})}
-    datasets: dict[tuple[int, int], Path] = {}
+    datasets: dict[tuple[int, int], Path] = {(cfg.data_resolution(), cfg.loader.rows): data_root}
+
+    def dataset(res: int, rows: int) -> Path:
+        if (res, rows) not in datasets:
+            datasets[res, rows] = work / f"dataset-{res}-{rows}"
+            write_synthetic_dataset(datasets[res, rows], get_preset(cfg.preset), res, rows, cfg.seed)
+        return datasets[res, rows]
+
     for res in cfg.as_recipe_at():
         for name, run in as_runs.items():
             progress(f"trainer as {cfg.recipe} runs it at {res} px ({name}: its FSDP and microbatch) ...")
-            rows = as_recipe_rows(cfg.loader.rows, run.device_microbatch_size)
-            if (res, rows) not in datasets:
-                datasets[res, rows] = data_root
-                if res != cfg.data_resolution() or rows != cfg.loader.rows:
-                    datasets[res, rows] = work / f"dataset-{res}-{rows}"
-                    write_synthetic_dataset(datasets[res, rows], get_preset(cfg.preset), res, rows, cfg.seed)
+            root = dataset(res, as_recipe_rows(cfg.loader.rows, run.device_microbatch_size))
             entry = bench_as_recipe(
-                run, datasets[res, rows], res, t.warmup, t.flow_batches, work / f"{name}-{res}", setup,
+                run, root, res, t.warmup, t.flow_batches, work / f"{name}-{res}", setup,
                 flops[res].unet_train_step, peak,
             )  # fmt: skip
             if name == AS_RECIPE:

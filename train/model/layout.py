@@ -1,6 +1,6 @@
 """Keep the compiled U-Net's activations channels_last end to end (`model.keep_channels_last`).
 
-With `channels_last` the U-Net's inputs and conv kernels are NHWC, but two kinds of op hand back NCHW:
+With `channels_last` the U-Net's inputs and conv kernels are NHWC, but some ops hand back NCHW:
 - GroupNorm: ATen's CUDA kernel is NCHW-only, and the decomposition inductor traces it through reshapes
   the input to (N, G, -1), a copy for an NHWC tensor, so the graph records its output as NCHW;
 - diffusers' Transformer2DModel ends in `.permute(0, 3, 1, 2).contiguous()`: NCHW again after every

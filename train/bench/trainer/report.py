@@ -54,11 +54,8 @@ def variant_finding(recipe: str, name: str, run: dict[str, Any], as_run: dict[st
     """A trainer.as_recipe_variants entry against the recipe as run at the same resolution."""
     line = (
         f"{recipe} as run with {name} ({', '.join(run['overrides'])}) at {run['resolution']} px "
-        f"({_wrapped(run)}, microbatch {run['batch_size']}, {'compiled' if run['compiled'] else 'eager'}): "
-        f"{_rate(run)}"
+        f"({_ran(run)}): {_rate(run)}{_busy(run)}"
     )
-    if busy := run.get("profile", {}).get("device_busy_share"):
-        line += f"; device busy {busy:.0%} of its bare step"
     if as_run:
         line += f"; {_gain(run, as_run):.2f}x the recipe as run"
     return line
@@ -81,6 +78,16 @@ def _wrapped(as_run: dict[str, Any]) -> str:
     return f"{fsdp}, {_layout(as_run)}"
 
 
+def _ran(run: dict[str, Any]) -> str:
+    return f"{_wrapped(run)}, microbatch {run['batch_size']}, {'compiled' if run['compiled'] else 'eager'}"
+
+
+def _busy(run: dict[str, Any]) -> str:
+    """How busy its profile found the device ("" where it was not profiled on a GPU)."""
+    busy = run.get("profile", {}).get("device_busy_share")
+    return f"; device busy {busy:.0%} of its bare step" if busy else ""
+
+
 def _rate(as_run: dict[str, Any]) -> str:
     mfu = "" if as_run["mfu"] is None else f", {as_run['mfu']:.1%} MFU"
     return f"{as_run['images_per_s_per_device']:,.1f} img/s{mfu}"
@@ -88,13 +95,9 @@ def _rate(as_run: dict[str, Any]) -> str:
 
 def as_recipe_finding(recipe: str, as_run: dict[str, Any], step: dict[str, Any] | None) -> str:
     line = (
-        f"{recipe} as a run of it trains at {as_run['resolution']} px ({_wrapped(as_run)}, "
-        f"microbatch {as_run['batch_size']}, "
-        f"{'compiled' if as_run['compiled'] else 'eager'}; one device, no communication): "
-        f"{_rate(as_run)}, first batch {as_run['first_batch_s']:.1f} s"
+        f"{recipe} as a run of it trains at {as_run['resolution']} px ({_ran(as_run)}; one device, no "
+        f"communication): {_rate(as_run)}, first batch {as_run['first_batch_s']:.1f} s{_busy(as_run)}"
     )
-    if busy := as_run.get("profile", {}).get("device_busy_share"):
-        line += f"; device busy {busy:.0%} of its bare step"
     if step:
         share = as_run["images_per_s_per_device"] / step["images_per_s_per_device"]
         line += f"; {share:.2f}x the step section's {step['images_per_s_per_device']:,.1f} img/s at batch "
