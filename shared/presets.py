@@ -91,6 +91,15 @@ TINY_UNET = {
     "norm_num_groups": 8,
 }
 
+# SD2-base's U-Net module tree at a tenth of its widths: the same blocks, 686 parameter tensors and 38 FSDP
+# units, so the same ATen ops and Python calls per step, with little arithmetic. Counts the host work of a
+# step of SD2 on a CPU (make bench's trainer.host_twin: what FSDP's per-block bookkeeping adds per step).
+SD2_SLIM_UNET = SD2_UNET | {
+    "block_out_channels": [32, 64, 128, 128],
+    "attention_head_dim": [1, 2, 4, 4],
+    "cross_attention_dim": TINY_TEXT["width"],
+}
+
 
 @dataclass(frozen=True)
 class Preset:
@@ -154,6 +163,13 @@ PRESETS: dict[str, Preset] = {
         vae=TINY_VAE,
         text=TINY_TEXT,
         unet=TINY_UNET,
+        vae_weights=_TINY_VAE_PATH,
+    ),
+    "sd2-base-slim": Preset(
+        name="sd2-base-slim",
+        vae=TINY_VAE,
+        text=TINY_TEXT,
+        unet=SD2_SLIM_UNET,
         vae_weights=_TINY_VAE_PATH,
     ),
 }

@@ -69,6 +69,10 @@ class PrecompileBenchConfig:
     timeout_s: int = allowed(1200, ge=1)  # one child's limit; a child stopped or failed costs only time
 
 
+# SD2-base's U-Net module tree at a tenth of its widths (shared/presets.py)
+HOST_TWIN_PRESET = "sd2-base-slim"
+
+
 @dataclass
 class TrainerBenchConfig:
     enabled: bool = True
@@ -90,6 +94,14 @@ class TrainerBenchConfig:
     # would change the rate a run gets at its microbatch, e.g. {no_fsdp: [fsdp=false]} (the U-Net one
     # graph, no per-unit hooks) or CUDA graphs ([fsdp=false, compile_mode=reduce-overhead]: not under FSDP)
     as_recipe_variants: dict[str, list[str]] = field(default_factory=dict)
+    # The host's work in a step of `host_twin_recipe` as run, at SD2-base's module tree (preset sd2-base-slim:
+    # its 686 parameter tensors and 38 FSDP units at a tenth of the widths, latents of host_twin_resolution
+    # / 8): ATen ops and Python calls per step and seconds a batch, FSDP per block against none (train/
+    # bench/trainer/host.py). Where the device waits on the host at 8 images per GPU, counted on a CPU; the
+    # recipe's data workers are the loader section's (loader.num_workers).
+    host_twin: bool = False
+    host_twin_recipe: str = "sd2-base-256"
+    host_twin_resolution: int = allowed(64, ge=64)
 
 
 @dataclass
@@ -201,12 +213,20 @@ class BenchConfig:
                 preset.latent_shape(res)
         except (ValueError, IndexError) as err:
             raise ConfigError(f"preset / step.resolutions: {err or 'step.resolutions is empty'}") from err
+        if self.trainer.host_twin and self.trainer.host_twin_resolution % 64:
+            raise ConfigError(
+                f"trainer.host_twin_resolution={self.trainer.host_twin_resolution}: use a multiple of 64 "
+                "(the SD2 U-Net halves its latents three times)"
+            )
         if self.loader.rows < 2 * self.loader_batch():
             raise ConfigError(
                 f"loader.rows={self.loader.rows} must hold at least two batches of {self.loader_batch()}"
             )
-        if self.trainer.as_recipe and not self.trainer.flow_batches:
-            raise ConfigError("trainer.as_recipe is timed over trainer.flow_batches: set it to 1 or more")
+        if (self.trainer.as_recipe or self.trainer.host_twin) and not self.trainer.flow_batches:
+            raise ConfigError(
+                "trainer.as_recipe and trainer.host_twin are timed over trainer.flow_batches: set it to 1 or "
+                "more"
+            )
         if self.encode.enabled and self.encode.samples < self.encode.partitions:
             raise ConfigError("encode.samples must be >= encode.partitions")
         scale = self.scale

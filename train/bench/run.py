@@ -41,6 +41,7 @@ from train.bench.step import FlopCounts, bench_train_steps, count_flops, mfu, pr
 from train.bench.text_store import bench_text_store
 from train.bench.trainer.as_recipe import AS_RECIPE, as_recipe_overrides, as_recipe_rows, bench_as_recipe
 from train.bench.trainer.batches import bench_trainer
+from train.bench.trainer.host import bench_host_twin
 from train.config import TrainConfig
 from train.model.assemble import INDUCTOR_CACHE_ENV, TRITON_CACHE_ENV, use_channels_last, use_compile_cache
 from train.resilience.signals import restores_signal_handlers
@@ -116,6 +117,8 @@ def bench_data_sections(
         out["trainer"]["recipe"] = cfg.recipe
         if as_runs:
             out["trainer"] |= as_recipe_section(cfg, as_runs, setup, work, root, flops, peak)
+        if t.host_twin:
+            out["trainer"]["host_twin"] = bench_host_twin(cfg, setup, work)
     return out
 
 

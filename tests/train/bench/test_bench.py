@@ -74,6 +74,7 @@ def bench_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any],
         *MINIMAL,
         variants,
         "anatomy.conv_layouts=true",
+        "trainer.host_twin=true",  # the SD2 recipe as run at SD2's module tree, slim: ~10 s
         f"out_dir={out}",
         f"work_dir={base / 'work'}",
     ]
@@ -182,6 +183,32 @@ def test_bench_runs_the_recipe_as_a_run_of_it_trains(bench_run: tuple[dict[str, 
         assert f"tiny as run with no_fsdp, {res} px (no FSDP, NCHW, microbatch 2)" in markdown
 
 
+def test_bench_counts_the_host_work_fsdp_adds_to_the_sd2_recipe_as_run(
+    bench_run: tuple[dict[str, Any], Path],
+) -> None:
+    """trainer.host_twin: sd2-base-256 as run (FSDP per block, microbatch 8) at SD2-base's module tree, slim
+    (its 686 parameter tensors, 38 FSDP units), against the same without FSDP: the host's work per step."""
+    result, out = bench_run
+    twin = result["trainer"]["host_twin"]
+    assert (twin["preset"], twin["recipe"], twin["resolution"]) == ("sd2-base-slim", "sd2-base-256", 64)
+    assert (twin["parameter_tensors"], twin["fsdp_units"], twin["batch_size"]) == (686, 38, 8)
+    for run in twin["runs"].values():
+        assert not run["compiled"] and positive(run["per_batch_s"]) and positive(run["first_batch_s"])
+        assert positive(run["aten_ops_per_step"]) and positive(run["python_calls_per_step"])
+    added = twin["fsdp_added"]
+    # PyTorch's FSDP (use_orig_params) re-points each parameter at a view of its flat parameter around every
+    # unit's forward and backward: ~10 ATen ops and ~80 Python calls a parameter tensor a step (measured)
+    assert added["per_parameter_tensor"]["aten_ops_per_step"] > 5
+    assert added["per_parameter_tensor"]["python_calls_per_step"] > 20
+    assert 0 <= added["share_of_batch"] < 1
+    (line,) = [n for n in result["findings"] if n.startswith("host twin (sd2-base-256 as run")]
+    assert "686 parameter tensors, 38 FSDP units" in line and "of the batch on this host" in line
+    assert (
+        "host twin sd2-base-256, sd2-base-slim 64 px (FSDP per block / none)"
+        in (out / MARKDOWN_NAME).read_text()
+    )
+
+
 @pytest.mark.slow
 def test_the_recipe_as_run_in_the_gpu_layout_reports_its_conv_kernels_converted(tmp_path: Path) -> None:
     """The layout a GPU run of the SD2 recipes has, on CPU: FSDP, channels_last activations, compiled
@@ -282,6 +309,12 @@ def test_config_rejects_unknown_keys_and_impossible_sizes() -> None:
         load_bench_config("quick", ["buckets.buckets=[100x60]"])  # not multiples of the VAE's 8 px
     with pytest.raises(ConfigError, match=r"buckets\.loader_rows"):
         load_bench_config("quick", ["buckets.loader_rows=1", "step.batch_size=2"])
+    with pytest.raises(ConfigError, match=r"host_twin_resolution=96: use a multiple of 64"):
+        load_bench_config("quick", ["trainer.host_twin=true", "trainer.host_twin_resolution=96"])
+    with pytest.raises(ConfigError, match=r"flow_batches: set it to 1"):
+        load_bench_config(
+            "quick", ["trainer.host_twin=true", "trainer.as_recipe=false", "trainer.flow_batches=0"]
+        )
 
 
 @pytest.mark.parametrize("name", ["quick", "full", "sd2-base-cpu"])

@@ -5,11 +5,12 @@ of the step lays them out: no GPU needed."""
 from __future__ import annotations
 
 import itertools
+import sys
 
 from torch.autograd import DeviceType
 from torch.autograd.profiler_util import FunctionEvent
 
-from train.bench.anatomy.profile import device_time, kernel_family
+from train.bench.anatomy.profile import device_time, kernel_family, python_calls
 
 # Kernels of the compiled SD2 step on an H200 (torch 2.11, cuDNN attention), as the profiler names them
 H200_KERNELS = {
@@ -87,3 +88,16 @@ def test_each_kernel_counts_once_by_family_phase_and_caller() -> None:
     }  # fmt: skip
     assert {k: us(v) for k, v in out["copy_callers_s"].items()} == {attention.name: 10}
     assert len(out["top_kernels_s"]) == 4
+
+
+def test_python_calls_counts_the_calls_a_step_makes_on_this_thread() -> None:
+    def leaf() -> None:
+        pass
+
+    def step() -> None:
+        for _ in range(10):
+            leaf()
+
+    # step itself and its 10 leaves (builtins such as range are C calls, not counted)
+    assert python_calls(step, 3) == 11
+    assert sys.getprofile() is None  # the caller's profiler (none here) is back

@@ -16,7 +16,7 @@ cover fsdp on/off x channels_last on/off x checkpoint_format full/sharded:
 | one_rank | sharded@4 | 1 | off | on | full |
 | from_full | reference@4 | 2 | SHARD_GRAD_OP | off | sharded |
 | from_full_cl | reference@4 | 2 | SHARD_GRAD_OP | on | full |
-| speed_switches | sharded@4 | 2 | SHARD_GRAD_OP, compiled (aot_eager), low-precision norms | on | sharded |
+| speed_switches | sharded@4 | 2 | SHARD_GRAD_OP, compiled (aot_eager), speed switches below | on | sharded |
 
 plus `export --weights ema|training` of the sharded run. Each 2-rank run is one `torchrun` launch of the
 real job; the 1-rank runs train in this process.
@@ -156,6 +156,8 @@ class Runs:
         if ranks == 2:
             log = two_ranks(self.data, save, 8, *extra)
             assert "autoresume: continuing from" in log
+            if "model.keep_channels_last=true" in extra:  # applied, not silently skipped under FSDP
+                assert "model.keep_channels_last: {'group_norms': " in log
         else:
             one_rank(self.data, save, 8, *extra)
         assert (save / LATEST_NAME).resolve() == checkpoint_at(save, 8).resolve()
@@ -200,10 +202,11 @@ def test_sharded_run_exports_the_uninterrupted_runs_weights(runs: Runs, tmp_path
         ("from_full", "reference", 2, (*FSDP, "channels_last=false", "checkpoint_format=sharded")),
         ("from_full_cl", "reference", 2, (*FSDP, "channels_last=true", "checkpoint_format=full")),
         # issue 30's speed switches: low-precision norms and the U-Net compiled under per-block FSDP
-        # (aot_eager: inductor's graphs without its C++ compiling), resumed from the eager sharded run
+        # (aot_eager: inductor's graphs without its C++ compiling), its activations kept channels_last
+        # (GroupNorm over a grouped view, every conv's input and gradient NHWC), resumed from the eager run
         ("speed_switches", "sharded", 2, (*FSDP, "channels_last=true", "checkpoint_format=sharded",
                                           "model.low_precision_norms=true", "compile=true",
-                                          "compile_backend=aot_eager")),
+                                          "compile_backend=aot_eager", "model.keep_channels_last=true")),
     ],
 )  # fmt: skip
 def test_resume_in_another_layout_matches_the_uninterrupted_run(

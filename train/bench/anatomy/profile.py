@@ -13,6 +13,7 @@ self time.
 from __future__ import annotations
 
 import collections
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -83,6 +84,26 @@ def profile_calls(
         "top_level_aten_ops_by_phase": {k: v / steps for k, v in launches.most_common()},
     }
     return out | (device_time(events, steps) if cuda else cpu_time(events, steps))
+
+
+def python_calls(run: Callable[[], None], steps: int) -> float:
+    """Python function calls per `run()` on this thread (`sys.setprofile`): the interpreter's share of the
+    host's work, which ATen op counts miss (module calls, FSDP's and Composer's hooks). On a GPU the backward
+    runs on autograd's device thread, whose calls (FSDP's post-backward hooks) are not counted."""
+    calls = 0
+
+    def count(_frame: Any, event: str, _arg: Any) -> None:
+        nonlocal calls
+        calls += event == "call"
+
+    previous = sys.getprofile()
+    sys.setprofile(count)
+    try:
+        for _ in range(steps):
+            run()
+    finally:
+        sys.setprofile(previous)
+    return calls / steps
 
 
 def cpu_time(events: Any, steps: int) -> dict[str, Any]:

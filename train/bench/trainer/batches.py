@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from shared.runtime.device import DeviceSetup
-from train.bench.anatomy.profile import profile_calls
+from train.bench.anatomy.profile import profile_calls, python_calls
 from train.bench.step import train_step
 from train.bench.trainer.syncs import Readbacks, count_readbacks, step_tracker
 from train.config import TrainConfig
@@ -260,7 +260,8 @@ def bench_trainer(
     """Composer's wall time per batch (data, EMA, clipping, callbacks, logging included) vs the step work
     inside it, and vs the bare step timed after every batch on the trainer's own model, optimizer and
     batch; then (flow_batches) unsynced batches against as many bare steps back to back; then
-    (profile_steps) bare steps under the profiler: ATen ops launched, kernels and the device's busy share."""
+    (profile_steps) bare steps under the profiler: ATen ops launched, kernels and the device's busy share, and
+    as many counting the Python calls they make."""
     attributed = warmup + batches
     # At least one batch after the attributed ones: the last of those ends at the next BEFORE_DATALOADER.
     total = attributed + max(flow_batches, 1)
@@ -303,6 +304,8 @@ def profile_bare_steps(
         raise RuntimeError("the trainer bench ran no batch to profile")
     batch = clock.last_batch
     out = profile_calls(lambda _label: clock.bare_step(batch), setup.device.type == "cuda", setup.sync, steps)
+    out["python_calls_per_step"] = python_calls(lambda: clock.bare_step(batch), steps)
+    setup.sync()
     if flow and (busy := out.get("device_seconds_per_step")):
         out["device_busy_share"] = busy / flow["bare_per_step_s"]
     return out

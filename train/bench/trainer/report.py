@@ -12,6 +12,7 @@ ALWAYS_LISTED = ("GradNormClipping", "HandoffEMA")  # named even when not among 
 # the recipe's batches below this share of the step section's images/s: the bench's headline MFU is not
 # what a run of the recipe gets, and the finding says so
 AS_RECIPE_SHARE = 0.8
+WRAPPED, BARE = "fsdp_per_block", "no_fsdp"  # trainer.host_twin's two runs (train/bench/trainer/host.py)
 
 
 def _ms(seconds: float) -> str:
@@ -47,6 +48,8 @@ def trainer_findings(trainer: dict[str, Any], train: dict[str, Any]) -> list[str
     for name, runs in trainer.get("as_recipe_variants", {}).items():
         for res, run in runs.items():
             notes.append(variant_finding(trainer["recipe"], name, run, trainer["as_recipe"].get(res)))
+    if twin := trainer.get("host_twin"):
+        notes.append(host_twin_finding(twin))
     return notes
 
 
@@ -149,4 +152,33 @@ def trainer_rows(trainer: dict[str, Any], train: dict[str, Any]) -> list[list[st
                     f"{_gain(run, base):.2f}x the recipe as run" if base else "-",
                 ]
             )
+    if twin := trainer.get("host_twin"):
+        rows.append(host_twin_row(twin))
     return rows
+
+
+def host_twin_finding(twin: dict[str, Any]) -> str:
+    wrapped, bare, added = twin["runs"][WRAPPED], twin["runs"][BARE], twin["fsdp_added"]
+    per = added["per_parameter_tensor"]
+    mode = "compiled" if wrapped["compiled"] else "eager"
+    return (
+        f"host twin ({twin['recipe']} as run at SD2-base's module tree, {twin['preset']}: "
+        f"{twin['parameter_tensors']} parameter tensors, {twin['fsdp_units']} FSDP units; "
+        f"{twin['resolution']} px, microbatch {twin['batch_size']}, {mode}): FSDP per block "
+        f"{wrapped['aten_ops_per_step']:,.0f} ATen ops and "
+        f"{wrapped['python_calls_per_step']:,.0f} Python calls a step against "
+        f"{bare['aten_ops_per_step']:,.0f} and {bare['python_calls_per_step']:,.0f} without "
+        f"(+{per['aten_ops_per_step']:.1f} and +{per['python_calls_per_step']:.0f} per parameter tensor); "
+        f"a batch {wrapped['per_batch_s']:.3f} s against {bare['per_batch_s']:.3f} s: FSDP's bookkeeping is "
+        f"{added['share_of_batch']:.0%} of the batch on this host"
+    )
+
+
+def host_twin_row(twin: dict[str, Any]) -> list[str]:
+    wrapped, bare = twin["runs"][WRAPPED], twin["runs"][BARE]
+    return [
+        f"host twin {twin['recipe']}, {twin['preset']} {twin['resolution']} px (FSDP per block / none)",
+        f"{wrapped['per_batch_s'] * 1000:,.1f} / {bare['per_batch_s'] * 1000:,.1f} ms",
+        f"ATen ops {wrapped['aten_ops_per_step']:,.0f} / {bare['aten_ops_per_step']:,.0f}, Python calls "
+        f"{wrapped['python_calls_per_step']:,.0f} / {bare['python_calls_per_step']:,.0f} a step",
+    ]
