@@ -106,7 +106,9 @@ def plan_train(
     plan.cluster += plan_lines(cfg.data, cfg.seed if cfg.data.shuffle_seed is None else cfg.data.shuffle_seed)
     shape = run_shape(cfg, topology, write_gb_per_s)
     plan.cluster += resilience_lines(cfg, shape, exit_lead_s(cfg, shape.save_s))
-    if compile_line := compile_plan_line(cfg):  # issue 30: the first step's compile, where it is cached
+    params = PRESET_PARAMS.get(cfg.model.preset)
+    gradient_bytes = params * 4 if params else None  # fp32 gradients: what DDP buckets
+    if compile_line := compile_plan_line(cfg, "gpu", topology.world_size, gradient_bytes):  # issue 30
         plan.cluster.append(compile_line)
     eval_line = plan.batching and eval_plan_line(cfg, topology.world_size, plan.batching.per_rank_batch)
     if eval_line:

@@ -61,6 +61,15 @@ class TrainConfig:
     # unsharded gradient of the model per rank, accumulated in the gathered params' dtype (bf16 under
     # amp_bf16); false: reduce every microbatch in fsdp_reduce_dtype (docs/gpu-tests.md, "Accumulation").
     fsdp_no_sync: bool = True
+    # Without FSDP on several ranks Composer wraps the model in DDP, which all-reduces the gradients in
+    # buckets of this many MB as the backward produces them. A compiled U-Net is split by dynamo at every
+    # bucket (its DDPOptimizer), so that each bucket's all-reduce overlaps the rest of the backward:
+    # SD2-base's 3,303 MB of fp32 gradients make about 134 graphs at torch's default 25 MB, each compiled
+    # on its own and called on its own every step (counted on 2 gloo ranks: tests/train/loop/
+    # test_compiled.py). Larger buckets: fewer graphs and less host work a step, less of the all-reduce
+    # overlapped. The dry-run plan says how many graphs a run makes; the job logs what its first batch
+    # compiled. At least 1 MB: DDP's first bucket is 1 MB and dynamo refuses a later one smaller.
+    ddp_bucket_cap_mb: float = allowed(25.0, ge=1)
     # torch.compile the U-Net (only the U-Net, in place: parameter names stay the same;
     # train/model/assemble.py). null: on for GPU runs, off on CPU (where inductor spends minutes compiling
     # C++ for no gain; logged); true / false: as asked, CPU included.
