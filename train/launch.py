@@ -25,6 +25,7 @@ from shared.estimate.cluster import (
     SAVE_SHARE_TARGET,
     Strategy,
     checkpoint_cost,
+    host_bound_note,
     min_interval_for_share,
     save_share,
     step_comm,
@@ -81,7 +82,7 @@ def plan_train(
     base_gb = TRAIN_BASE_GB.get(cfg.model.preset, TRAIN_BASE_GB[REFERENCE_PRESET])
     plan.resources = rank_resources(options, cfg.data.num_workers, base_gb, TRAIN_GB_PER_WORKER)
     plan.steps = build_steps(plan, os.environ if environ is None else environ)  # checks this machine (local)
-    plan.estimate = run_estimate_line(cfg, topology.world_size, gpu_type)
+    plan.estimate, rate = run_estimate(cfg, topology.world_size, gpu_type)
     plan.reference.append(estimate_line(topology.world_size, gpu_type))
     try:
         plan.batching = derive_batching(
@@ -92,6 +93,8 @@ def plan_train(
     else:
         plan.cluster, notes = cluster_lines(cfg, topology, plan.batching, write_gb_per_s)
         plan.notes += notes
+        if rate and (host := host_bound_note(cfg.fsdp, plan.batching.microbatch, rate)):
+            plan.notes.append(host)
         device = "cpu" if cfg.device == "cpu" else "gpu"
         if why := cuda_graph_refusal(cfg, device, plan.batching.grad_accum):
             plan.refuse(why)
@@ -305,15 +308,19 @@ def run_samples(cfg: TrainConfig) -> int | None:
 
 def run_estimate_line(cfg: TrainConfig, gpus: int, gpu_type: str) -> str:
     """Time and cost of the config being launched, where the planner has a throughput for its model."""
+    return run_estimate(cfg, gpus, gpu_type)[0]
+
+
+def run_estimate(cfg: TrainConfig, gpus: int, gpu_type: str) -> tuple[str, float | None]:
+    """`run_estimate_line`'s line, and the images/s per GPU it priced with (None where it priced none)."""
     samples = run_samples(cfg)
     what = f"this run: {cfg.max_duration}" + (f" = {samples:,} samples" if samples else "")
     what += f" of the {cfg.model.preset} preset at {cfg.data.resolution} px"
     if cfg.model.preset != REFERENCE_PRESET:
-        return (
-            f"{what}; no time or cost: the planner's throughput is {REFERENCE_PRESET}'s (make bench measures)"
-        )
+        why = f"the planner's throughput is {REFERENCE_PRESET}'s (make bench measures)"
+        return f"{what}; no time or cost: {why}", None
     if samples is None:
-        return f"{what}; no time or cost: give max_duration in batches (e.g. 550000ba) to price it"
+        return f"{what}; no time or cost: give max_duration in batches (e.g. 550000ba) to price it", None
     # a bucket mix is priced as the square samples of the same FLOPs (pixels; train/data/mix.py)
     factor = data_cost_factor(cfg.data, cfg.seed if cfg.data.shuffle_seed is None else cfg.data.shuffle_seed)
     priced = round(samples * factor)
@@ -323,12 +330,13 @@ def run_estimate_line(cfg: TrainConfig, gpus: int, gpu_type: str) -> str:
     try:
         est = estimate_for_plan(gpus, gpu_type, overrides=[phase, "encode.samples=0"])
     except (ConfigError, OSError) as err:
-        return f"{what}; unavailable ({err})"
-    return (
+        return f"{what}; unavailable ({err})", None
+    line = (
         f"{what}: {gpus} x {gpu_type}: {wall_time(est.train_days)}, {est.train_gpu_hours:,.1f} GPU-hours, "
         f"${est.train_dollars:,.0f} ({est.pricing_mode} ${est.price_per_gpu_hour:.2f}/GPU-hour; throughput "
         "of jobs/estimate/sd2-base.yaml)"
     )
+    return line, est.phases[0].images_per_s_per_gpu
 
 
 def wall_time(days: float) -> str:

@@ -117,6 +117,32 @@ def checkpoint_cost(
     return CheckpointCost(total, total / world_size, total / bandwidth, total / nodes / bandwidth)
 
 
+# Issue 30's sixth GPU run (one H200, torch 2.11): sd2-base-256 / -512 as run (FSDP per block, compiled, one
+# microbatch of 8 per GPU) took 0.297 / 0.275 s a batch at 256 / 512 px, the same at either resolution: the
+# host's work a step, which the device waits on wherever its own work on the microbatch is shorter. Counted
+# on a CPU (make bench's trainer.host_twin), most of it is per-block FSDP's: +9.7 ATen ops and +81 Python
+# calls a parameter tensor a step, 686 of them in SD2's U-Net, whatever the batch.
+FSDP_HOST_SECONDS_PER_STEP = 0.275
+
+
+def host_bound_note(fsdp: bool, microbatch: int, images_per_s_per_gpu: float) -> str:
+    """Where the planned images/s per GPU needs less time a microbatch than the host's work a step took under
+    per-block FSDP: the ceiling that host time puts on the rate, and what it does to the GPU-hours."""
+    device_s = microbatch / images_per_s_per_gpu
+    if not fsdp or device_s >= FSDP_HOST_SECONDS_PER_STEP:
+        return ""
+    ceiling = microbatch / FSDP_HOST_SECONDS_PER_STEP
+    return (
+        f"{microbatch} images per GPU a microbatch under per-block FSDP: the estimate's "
+        f"{images_per_s_per_gpu:,.1f} img/s per GPU needs {1000 * device_s:.0f} ms a microbatch, under the "
+        f"{FSDP_HOST_SECONDS_PER_STEP} s of host work a step took on an H200 at 8 per GPU (issue 30; "
+        f"docs/performance.md): expect at most {ceiling:,.1f} img/s per GPU, "
+        f"{images_per_s_per_gpu / ceiling:.1f}x the estimate's GPU-hours. More images per GPU (the memory "
+        "line: fewer GPUs), or measure yours: make bench BENCH=full, then make estimate "
+        "ARGS='throughput_from=outputs/bench/bench.json'"
+    )
+
+
 def step_seconds(global_batch: int, images_per_s_per_gpu: float, world_size: int) -> float:
     return global_batch / (images_per_s_per_gpu * world_size)
 

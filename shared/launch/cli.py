@@ -68,8 +68,22 @@ SbatchOpt = Annotated[
         "--sbatch-option", help="slurm: extra #SBATCH option, e.g. qos=high or requeue (repeatable)"
     ),
 ]
+
+
+def known_gpu_type(value: str) -> str:
+    """--gpu-type names a row of the planner's GPU table (shared/estimate/gpus.py)."""
+    from shared.estimate.gpus import GPU_TABLE
+
+    if value not in GPU_TABLE:
+        raise typer.BadParameter(f"unknown GPU type {value!r}; use one of {', '.join(GPU_TABLE)}")
+    return value
+
+
 GpuTypeOpt = Annotated[
-    str, typer.Option("--gpu-type", help="GPU type for the cost estimate and memory lines")
+    str,
+    typer.Option(
+        "--gpu-type", help="GPU type for the cost estimate and memory lines", callback=known_gpu_type
+    ),
 ]
 OverridesArg = Annotated[list[str] | None, typer.Argument(help="key=value overrides for the job's config")]
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 
 from shared.estimate.cluster import (
+    FSDP_HOST_SECONDS_PER_STEP,
     PRESET_PARAMS,
     checkpoint_cost,
+    host_bound_note,
     min_interval_for_share,
     save_share,
     step_comm,
@@ -76,3 +78,13 @@ def test_tiny_preset_parameter_count_matches_its_unet() -> None:
 
     unet = build_unet(get_preset("tiny"))
     assert PRESET_PARAMS["tiny"] == sum(p.numel() for p in unet.parameters())
+
+
+def test_host_bound_note_caps_the_rate_at_the_hosts_work_a_step() -> None:
+    """8 images a microbatch under per-block FSDP: at most 8 / 0.275 s = 29.1 img/s per GPU (issue 30's sixth
+    H200 run), whatever the device could do; a device slower than the host, or no FSDP, gets no note."""
+    assert FSDP_HOST_SECONDS_PER_STEP == 0.275
+    note = host_bound_note(True, 8, 184.6)
+    assert "needs 43 ms a microbatch" in note and "at most 29.1 img/s per GPU, 6.3x the estimate's" in note
+    assert host_bound_note(True, 128, 184.6) == ""  # 693 ms of device work a step: the device sets the pace
+    assert host_bound_note(False, 8, 184.6) == ""  # DDP: not measured

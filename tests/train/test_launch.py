@@ -220,6 +220,20 @@ def test_dry_run_prices_the_run_being_launched_apart_from_the_reference(train_ya
     assert " min, " in plan.estimate  # a short run reads in minutes, not as 0.00 days
 
 
+def test_dry_run_says_when_the_host_caps_the_rate_it_priced(tmp_path: Path) -> None:
+    """sd2-base-256 on 256 GPUs runs 8 images a microbatch under per-block FSDP: the rate the estimate
+    prices needs less time a microbatch than the host's work a step took on an H200 (issue 30)."""
+    save = f"save_folder={tmp_path}"
+    plan = plan_train("sd2-base-256", [save], LaunchOptions(256, "slurm"))
+    (note,) = [n for n in plan.notes if "under per-block FSDP" in n]
+    assert note.startswith("8 images per GPU a microbatch under per-block FSDP: the estimate's ")
+    assert "expect at most 29.1 img/s per GPU" in note and "throughput_from=outputs/bench/bench.json" in note
+    # the same global batch on 16 GPUs at 128 each, and DDP (not measured there), get no such note
+    for gpus, extra in ((16, ["device_microbatch_size=128"]), (256, ["fsdp=false"])):
+        plan = plan_train("sd2-base-256", [save, *extra], LaunchOptions(gpus, "slurm"))
+        assert not [n for n in plan.notes if "under per-block FSDP" in n]
+
+
 def test_tiny_dry_run_shows_tiny_numbers_and_sets_sd2_numbers_apart(tmp_path: Path) -> None:
     """`make train GPUS=2 DRY_RUN=1` after the demo: tiny memory and checkpoint; SD2 figures as reference."""
     out = summarize(plan_train("tiny", [f"save_folder={tmp_path}"], LaunchOptions(2, "local")))
@@ -270,6 +284,7 @@ def test_overrides_reach_the_batch_split_and_every_rank(train_yaml: Path) -> Non
         (["--gpus", "4096", "--gpus-per-node", "4096"], "use GPUS="),
         (["--gpus", "8", "--launcher", "slurm", "--name", "Bad_Name"], "pass --name my-run"),
         (["--gpus", "8", "--launcher", "slurm", "no_such_key=1"], "command line: unknown key no_such_key"),
+        (["--gpus", "8", "--gpu-type", "H100-80GB"], "unknown GPU type 'H100-80GB'; use one of A100-40GB"),
     ],
 )
 def test_impossible_requests_stop_with_the_fix(train_yaml: Path, args: list[str], message: str) -> None:
