@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from shared.config import ConfigError
+from shared.estimate.cluster import host_bound_note
 from shared.estimate.config import EstimateConfig, PhaseConfig, ScalingConfig, load_estimate_config
 from shared.estimate.gpus import (
     BYTES_PER_GIB,
@@ -216,10 +217,22 @@ def _estimate_from(cfg: EstimateConfig, measured: Measured) -> Estimate:
         phases=phases,
         encode=_encode_estimate(cfg, measured),
         storage=stored,
-        notes=measured.notes,
+        notes=measured.notes + _host_bound_notes(cfg, phases),
         text_store=_text_store(cfg, stored, phases),
         memory=_memory_checks(cfg),
     )
+
+
+def _host_bound_notes(cfg: EstimateConfig, phases: tuple[PhaseEstimate, ...]) -> tuple[str, ...]:
+    """Each phase whose rate would finish the recipe's microbatch (memory.microbatch) in less time than the
+    host's work a step under per-block FSDP (shared/estimate/cluster.py `host_bound_note`)."""
+    fsdp = cfg.memory.strategy != "DDP"
+    notes = []
+    for phase in phases:
+        micro = cfg.memory.microbatch.get(str(phase.resolution))
+        if micro and (note := host_bound_note(fsdp, micro, phase.images_per_s_per_gpu)):
+            notes.append(f"{phase.name}: {note}")
+    return tuple(notes)
 
 
 def _memory_checks(cfg: EstimateConfig) -> tuple[MemoryCheck | str, ...]:

@@ -282,6 +282,20 @@ def test_a_per_gpu_batch_that_leaves_the_gpu_waiting_is_priced(tmp_path: Path) -
     )
     assert small[1].startswith("512 px: 8 images per GPU run at 22% of the images/s per GPU of 32")
     assert len(small) == 2
+    # measured at the plan's microbatch, the host's work is in the rate already: no ceiling note
+    assert not [n for n in est.notes if "under per-block FSDP" in n]
+
+
+def test_a_rate_faster_than_the_hosts_work_a_step_is_capped_in_a_note() -> None:
+    """Without a bench, the published rates at the recipe's 8 images a microbatch would finish one in less
+    than the 0.275 s of host work a step under per-block FSDP (the sixth H200 run): each phase says what
+    that caps its rate at. DDP (not measured there) gets no such note."""
+    est = estimate(plan("encode.samples=0"))
+    capped = [n for n in est.notes if "under per-block FSDP" in n]
+    assert [n.split(":")[0] for n in capped] == ["phase1-256", "phase2-512"]
+    assert "expect at most 29.1 img/s per GPU, 4.7x the estimate's GPU-hours" in capped[0]
+    ddp = estimate(plan("encode.samples=0", "memory.strategy=DDP"))
+    assert not [n for n in ddp.notes if "under per-block FSDP" in n]
 
 
 def test_bad_bench_json_names_the_fix(tmp_path: Path) -> None:
