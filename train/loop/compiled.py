@@ -23,6 +23,7 @@ from composer.core import Callback, State
 from composer.loggers import Logger
 
 log = logging.getLogger(__name__)
+TORCH_DEFAULT_BUCKET_MB = 25.0  # DistributedDataParallel's bucket_cap_mb when none is given
 
 
 @contextlib.contextmanager
@@ -37,8 +38,11 @@ def composer_ddp_buckets(bucket_cap_mb: float) -> Iterator[None]:
         if not any(p.requires_grad for p in module.parameters()):
             return original(module, find_unused_parameters)
         log.info("DDP: gradients all-reduced in buckets of %s MB (ddp_bucket_cap_mb)", bucket_cap_mb)
+        # torch's own default only when not passed: then DDP keeps a 1 MB first bucket (the parameters
+        # defined first, whose gradients come last), as dynamo's split does; any size passed is every bucket's
+        cap = None if bucket_cap_mb == TORCH_DEFAULT_BUCKET_MB else bucket_cap_mb
         return DistributedDataParallel(
-            module, find_unused_parameters=find_unused_parameters, bucket_cap_mb=bucket_cap_mb
+            module, find_unused_parameters=find_unused_parameters, bucket_cap_mb=cap
         )
 
     composer_trainer.prepare_ddp_module = wrap
