@@ -110,7 +110,7 @@ def plan_train(
     shape = run_shape(cfg, topology, write_gb_per_s)
     plan.cluster += resilience_lines(cfg, shape, exit_lead_s(cfg, shape.save_s))
     params = PRESET_PARAMS.get(cfg.model.preset)
-    gradient_bytes = params * 4 if params else None  # fp32 gradients: what DDP buckets
+    gradient_bytes = params * DTYPE_BYTES["fp32"] if params else None  # what DDP buckets
     if compile_line := compile_plan_line(cfg, "gpu", topology.world_size, gradient_bytes):  # issue 30
         plan.cluster.append(compile_line)
     eval_line = plan.batching and eval_plan_line(cfg, topology.world_size, plan.batching.per_rank_batch)
@@ -306,13 +306,9 @@ def run_samples(cfg: TrainConfig) -> int | None:
     return None
 
 
-def run_estimate_line(cfg: TrainConfig, gpus: int, gpu_type: str) -> str:
-    """Time and cost of the config being launched, where the planner has a throughput for its model."""
-    return run_estimate(cfg, gpus, gpu_type)[0]
-
-
 def run_estimate(cfg: TrainConfig, gpus: int, gpu_type: str) -> tuple[str, float | None]:
-    """`run_estimate_line`'s line, and the images/s per GPU it priced with (None where it priced none)."""
+    """Time and cost of the config being launched, where the planner has a throughput for its model, and
+    the images/s per GPU it priced with (None where it priced none)."""
     samples = run_samples(cfg)
     what = f"this run: {cfg.max_duration}" + (f" = {samples:,} samples" if samples else "")
     what += f" of the {cfg.model.preset} preset at {cfg.data.resolution} px"

@@ -315,14 +315,21 @@ def load_recipe(
     """The train recipe at the bench's preset, device and precision, `extra` overrides last (an anatomy
     variant's switches); `one_device`: FSDP off, whatever the recipe or recipe_overrides say (the sections
     that time the U-Net unwrapped), else as the train job would load it (trainer.as_recipe)."""
+    overrides = [*cfg.recipe_overrides, *(["fsdp=false"] if one_device else []), *(extra or [])]
+    return recipe_on(cfg.recipe, cfg.preset, cfg.data_resolution(), setup, work, overrides)
+
+
+def recipe_on(
+    recipe: str, preset: str, resolution: int, setup: DeviceSetup, work: Path, extra: list[str]
+) -> TrainConfig:
+    """A train recipe at `preset` and `resolution` on this device and precision, saving under `work`,
+    `extra` overrides last."""
     overrides = [
-        f"model.preset={cfg.preset}",
-        f"data.resolution={cfg.data_resolution()}",
+        f"model.preset={preset}",
+        f"data.resolution={resolution}",
         f"save_folder={work / 'save'}",
         f"device={setup.kind}",
         f"precision={setup.precision}",
-        *cfg.recipe_overrides,
-        *(["fsdp=false"] if one_device else []),
-        *(extra or []),
+        *extra,
     ]
-    return load_config(TrainConfig, cfg.recipe, overrides, kind="train")
+    return load_config(TrainConfig, recipe, overrides, kind="train")

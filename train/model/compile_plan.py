@@ -48,7 +48,7 @@ def compile_plan_line(
         if cfg.compile_scope == "blocks":
             graphs = "each ResNet / transformer block as its own graph, one per shape (the glue eager)"
         elif world_size > 1:
-            graphs = _ddp_graphs(cfg.ddp_bucket_cap_mb, parameter_bytes)
+            graphs = _ddp_split(cfg.ddp_bucket_cap_mb, parameter_bytes)
     if cfg.compile_mode != "default":
         graphs += f", mode {cfg.compile_mode}"
         if cfg.uses_cuda_graphs():
@@ -72,7 +72,7 @@ def ddp_graphs(parameter_bytes: float, bucket_cap_mb: float) -> int:
     return 1 + math.ceil(rest / (bucket_cap_mb * MB))
 
 
-def _ddp_graphs(bucket_cap_mb: float, parameter_bytes: float | None) -> str:
+def _ddp_split(bucket_cap_mb: float, parameter_bytes: float | None) -> str:
     """DDPOptimizer splits the compiled U-Net at each of DDP's gradient buckets (train/loop/compiled.py)."""
     split = f"split by DDP at each {bucket_cap_mb:g} MB gradient bucket (ddp_bucket_cap_mb)"
     if parameter_bytes is None:

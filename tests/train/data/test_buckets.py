@@ -166,7 +166,7 @@ def test_dry_run_estimate_prices_the_bucket_mix_by_pixels(
 
     def gpu_hours(factor: float) -> tuple[str, float]:
         monkeypatch.setattr(launch, "data_cost_factor", lambda data, seed: factor)
-        line = launch.run_estimate_line(sd2, 256, "A100-40GB")
+        line, _rate = launch.run_estimate(sd2, 256, "A100-40GB")
         return line, float(re.search(r"([\d,.]+) GPU-hours", line).group(1).replace(",", ""))
 
     (square, square_h), (mixed, mixed_h) = gpu_hours(1.0), gpu_hours(0.75)

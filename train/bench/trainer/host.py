@@ -19,10 +19,9 @@ from typing import Any
 
 import torch
 
-from shared.config import load_config
 from shared.presets import get_preset
 from shared.runtime.device import DeviceSetup
-from train.bench.config import HOST_TWIN_PRESET, BenchConfig
+from train.bench.config import HOST_TWIN_PRESET, BenchConfig, recipe_on
 from train.bench.data import write_synthetic_dataset
 from train.bench.step import progress
 from train.bench.trainer.as_recipe import as_recipe_rows, bench_as_recipe
@@ -37,16 +36,8 @@ COUNTS = ("aten_ops_per_step", "python_calls_per_step")
 def host_twin_recipe(cfg: BenchConfig, setup: DeviceSetup, work: Path, extra: list[str]) -> TrainConfig:
     """trainer.host_twin_recipe on the slim preset at trainer.host_twin_resolution, on this device."""
     t = cfg.trainer
-    overrides = [
-        f"model.preset={HOST_TWIN_PRESET}",
-        f"data.resolution={t.host_twin_resolution}",
-        f"data.num_workers={cfg.loader.num_workers}",
-        f"save_folder={work / 'save'}",
-        f"device={setup.kind}",
-        f"precision={setup.precision}",
-        *extra,
-    ]
-    return load_config(TrainConfig, t.host_twin_recipe, overrides, kind="train")
+    extra = [f"data.num_workers={cfg.loader.num_workers}", *extra]
+    return recipe_on(t.host_twin_recipe, HOST_TWIN_PRESET, t.host_twin_resolution, setup, work, extra)
 
 
 def module_tree(preset: str) -> dict[str, int]:
