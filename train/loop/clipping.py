@@ -9,11 +9,15 @@ Clipping is a norm (one read of every gradient) and a scale (a read and a write 
 torch's fused AdamW (optimizer.fused) the scale costs nothing: its kernel already reads every gradient and
 divides it by `optimizer.grad_scale` when that is set (the hook AMP's GradScaler uses), so this sets
 `grad_scale = 1 / clip_coef` for exactly the next step and skips the separate pass. The result equals
-torch's `clip_grad_norm_` to float rounding (a divide instead of a multiply; tests/train/test_clipping.py).
+torch's `clip_grad_norm_` to float rounding (a divide, not a multiply; tests/train/loop/test_clipping.py).
 On the tiny CPU bench that pass was ~0.5-0.9 ms of the ~1.7 ms clipping took per step (CPU foreach kernels
-loop per tensor, 208 gradients). It scales the gradients itself where the step cannot: FSDP (its own
-`clip_grad_norm_` reduces the sharded norm across ranks; each rank then scales only its shard), AMP fp16
-(GradScaler owns `grad_scale`), an optimizer that is not fused, or one that holds other parameters.
+loop per tensor, 208 gradients). The norm itself is three dispatches (`total_grad_norm`): torch's
+`get_total_norm` moves each per-tensor norm to the first device with its own `.to`, one host dispatch per
+gradient even on one device (686 a step for SD2-base: a quarter of the compiled H200 step's top-level ops).
+
+It scales the gradients itself where the step cannot: FSDP (its own `clip_grad_norm_` reduces the sharded
+norm across ranks; each rank then scales only its shard), AMP fp16 (GradScaler owns `grad_scale`), an
+optimizer that is not fused, or one that holds other parameters.
 """
 
 from __future__ import annotations
@@ -54,6 +58,21 @@ def folds_scale(optimizer: torch.optim.Optimizer) -> bool:
     return getattr(optimizer, "_step_supports_amp_scaling", False) and all(
         group.get("fused") for group in optimizer.param_groups
     )
+
+
+def total_grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The L2 norm of all `grads` together, as `torch.nn.utils.get_total_norm` computes it (the same foreach
+    norms, stacked in the same order), in three dispatches where the gradients share a device and dtype;
+    otherwise torch's own."""
+    first = grads[0]
+    # plain dense tensors on one device in one dtype: get_total_norm's one foreach group (not DTensors)
+    alike = all(type(g) is torch.Tensor and g.layout == torch.strided for g in grads) and all(
+        g.device == first.device and g.dtype == first.dtype for g in grads
+    )
+    if not alike:
+        return torch.nn.utils.get_total_norm(grads)
+    with torch.no_grad():
+        return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0)), 2.0)
 
 
 def clear_grad_scale(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -98,7 +117,7 @@ class GradNormClipping(Algorithm):
         grads = [p.grad for p in params if p.grad is not None]
         if not grads:
             return
-        total = torch.nn.utils.get_total_norm(grads)
+        total = total_grad_norm(grads)
         fp16 = Precision(state.precision) == Precision.AMP_FP16  # GradScaler sets grad_scale itself
         if fp16 or self.fold_into is None or not folds_scale(self.fold_into):
             torch.nn.utils.clip_grads_with_norm_(params, self.max_norm, total)

@@ -13,7 +13,7 @@ from composer.core import Event
 
 from shared.presets import get_preset
 from tests.train.conftest import tiny_config
-from train.loop.clipping import GRAD_SCALE, GradNormClipping
+from train.loop.clipping import GRAD_SCALE, GradNormClipping, total_grad_norm
 from train.loop.trainer import build_optimizer
 from train.model.assemble import assemble_model
 
@@ -110,3 +110,43 @@ def test_the_train_job_builds_a_fused_adamw() -> None:
     assert all(group["fused"] for group in build_optimizer(cfg, model).param_groups)
     cfg = tiny_config("unused", "unused", "unused", "optimizer.fused=false")
     assert not any(group["fused"] for group in build_optimizer(cfg, model).param_groups)
+
+
+def random_grads(count: int, dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(count)
+    return [torch.randn(1 + 7 * i % 50, 3, generator=gen).to(dtype) for i in range(count)]
+
+
+def test_the_total_norm_is_torchs_bit_for_bit() -> None:
+    grads = random_grads(60)
+    assert torch.equal(total_grad_norm(grads), torch.nn.utils.get_total_norm(grads))
+    mixed = [*random_grads(5), *random_grads(4, torch.bfloat16)]  # two groups: torch's own path
+    assert torch.equal(total_grad_norm(mixed), torch.nn.utils.get_total_norm(mixed))
+
+
+def top_level_aten_ops(run: Any) -> int:
+    """ATen ops called from Python, as the profiler records them (a no-op `.to` included: it still
+    goes through the dispatcher, which a TorchDispatchMode does not see)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        run()
+    ops = [e for e in prof.events() if e.name.startswith("aten::")]
+    return sum(1 for e in ops if e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))
+
+
+def clipping_ops(layers: int, fused: bool) -> int:
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(layers)])
+    state = state_of(net, adamw(net, fused=fused))
+    net(torch.randn(4, 8)).square().sum().backward()
+    clipping = GradNormClipping(1e-3)
+    clipping.look_up_targets(state)
+    params = clipping.targets.params  # type: ignore[union-attr]
+    return top_level_aten_ops(lambda: clipping.clip_params(params, state))
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["folded", "scaled"])
+def test_clipping_dispatches_the_same_ops_for_any_number_of_gradients(fused: bool) -> None:
+    """The host's work per step must not grow with the parameter count (SD2-base: 686 gradients):
+    torch's get_total_norm dispatches one `.to` per gradient."""
+    counts = [clipping_ops(layers, fused) for layers in (2, 40)]
+    assert counts[0] == counts[1] <= 10, counts
