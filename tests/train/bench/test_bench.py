@@ -22,6 +22,7 @@ from train.bench.config import load_bench_config, load_recipe
 from train.bench.report import JSON_NAME, MARKDOWN_NAME, write_outputs
 from train.bench.run import run_bench
 from train.bench.step import count_flops
+from train.bench.trainer.host import RUNS, host_twin_recipe
 
 # Smallest settings that still run every section once: one timed step per variant, one loader pass, two
 # Composer batches (one warm-up), eight encoded sample images without worker processes.
@@ -315,6 +316,20 @@ def test_config_rejects_unknown_keys_and_impossible_sizes() -> None:
         load_bench_config(
             "quick", ["trainer.host_twin=true", "trainer.as_recipe=false", "trainer.flow_batches=0"]
         )
+
+
+def test_the_host_twin_compiles_both_runs_when_asked(tmp_path: Path) -> None:
+    """trainer.host_twin_compile: the CPU's proxy for a GPU's host, both runs compiled as a GPU run is."""
+    setup = resolve_device_setup("cpu", "fp32", False)
+    for backend, compiled in (("", None), ("inductor", True), ("aot_eager", True)):
+        cfg = load_bench_config("quick", [f"trainer.host_twin_compile={backend}"])
+        for extra in RUNS.values():
+            recipe = host_twin_recipe(cfg, setup, tmp_path, extra)
+            assert recipe.compile is compiled and recipe.model.preset == "sd2-base-slim"
+            if compiled:
+                assert recipe.compile_backend == backend
+    with pytest.raises(ConfigError, match="host_twin_compile"):
+        load_bench_config("quick", ["trainer.host_twin_compile=eager"])
 
 
 @pytest.mark.parametrize("name", ["quick", "full", "sd2-base-cpu"])

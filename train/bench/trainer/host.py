@@ -34,9 +34,11 @@ COUNTS = ("aten_ops_per_step", "python_calls_per_step")
 
 
 def host_twin_recipe(cfg: BenchConfig, setup: DeviceSetup, work: Path, extra: list[str]) -> TrainConfig:
-    """trainer.host_twin_recipe on the slim preset at trainer.host_twin_resolution, on this device."""
+    """trainer.host_twin_recipe on the slim preset at trainer.host_twin_resolution, on this device, its U-Net
+    compiled with trainer.host_twin_compile if set."""
     t = cfg.trainer
-    extra = [f"data.num_workers={cfg.loader.num_workers}", *extra]
+    compiled = ["compile=true", f"compile_backend={t.host_twin_compile}"] if t.host_twin_compile else []
+    extra = [f"data.num_workers={cfg.loader.num_workers}", *compiled, *extra]
     return recipe_on(t.host_twin_recipe, HOST_TWIN_PRESET, t.host_twin_resolution, setup, work, extra)
 
 
