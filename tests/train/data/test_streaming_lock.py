@@ -30,6 +30,10 @@ from train.data.streaming_host import read_shm
 
 PROCESSES = 8
 JOIN_TIMEOUT_S = 60.0
+# The parent's wait for all results: the forkserver's imports (seconds alone, a minute and more on a 2-core
+# CI box beside a compiling test: one CI run timed out at 60 s) and then the children's own barrier, which
+# reports a hung sibling as an error after JOIN_TIMEOUT_S.
+RESULTS_TIMEOUT_S = 240.0
 MAX_PREFIXES_SCANNED = 4096
 # Imported once in the forkserver, not in each child: train.data.loader imports Streaming lazily, and
 # Streaming's import (torchvision with it) takes ~3 s of CPU per process.
@@ -86,7 +90,8 @@ def test_datasets_built_at_the_same_instant_do_not_collide(tiny_dataset: str, tm
     try:
         for child in children:
             child.start()
-        outcomes = [results.get(timeout=JOIN_TIMEOUT_S) for _ in children]
+        deadline = time.monotonic() + RESULTS_TIMEOUT_S
+        outcomes = [results.get(timeout=max(1.0, deadline - time.monotonic())) for _ in children]
         for child in children:
             child.join(JOIN_TIMEOUT_S)
     finally:
@@ -181,7 +186,8 @@ def test_the_ranks_of_a_node_agree_on_the_prefix_when_another_job_exits_between_
     try:
         for child in children:
             child.start()
-        outcomes = sorted(results.get(timeout=JOIN_TIMEOUT_S) for _ in children)
+        deadline = time.monotonic() + RESULTS_TIMEOUT_S
+        outcomes = sorted(results.get(timeout=max(1.0, deadline - time.monotonic())) for _ in children)
         for child in children:
             child.join(JOIN_TIMEOUT_S)
     finally:
