@@ -64,12 +64,12 @@ def total_grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     """The L2 norm of all `grads` together, as `torch.nn.utils.get_total_norm` computes it (the same foreach
     norms, stacked in the same order), in three dispatches where the gradients share a device and dtype;
     otherwise torch's own."""
-    first = grads[0]
+    device, dtype = grads[0].device, grads[0].dtype
     # plain dense tensors on one device in one dtype: get_total_norm's one foreach group (not DTensors)
-    alike = all(type(g) is torch.Tensor and g.layout == torch.strided for g in grads) and all(
-        g.device == first.device and g.dtype == first.dtype for g in grads
-    )
-    if not alike:
+    if not all(
+        type(g) is torch.Tensor and g.layout == torch.strided and g.device == device and g.dtype == dtype
+        for g in grads
+    ):
         return torch.nn.utils.get_total_norm(grads)
     with torch.no_grad():
         return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0)), 2.0)

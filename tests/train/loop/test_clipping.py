@@ -13,6 +13,7 @@ from composer.core import Event
 
 from shared.presets import get_preset
 from tests.train.conftest import tiny_config
+from train.bench.anatomy.profile import is_top_level_aten
 from train.loop.clipping import GRAD_SCALE, GradNormClipping, total_grad_norm
 from train.loop.trainer import build_optimizer
 from train.model.assemble import assemble_model
@@ -129,8 +130,7 @@ def top_level_aten_ops(run: Any) -> int:
     goes through the dispatcher, which a TorchDispatchMode does not see)."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         run()
-    ops = [e for e in prof.events() if e.name.startswith("aten::")]
-    return sum(1 for e in ops if e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))
+    return sum(1 for e in prof.events() if is_top_level_aten(e))
 
 
 def clipping_ops(layers: int, fused: bool) -> int:

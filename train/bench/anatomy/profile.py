@@ -76,7 +76,7 @@ def profile_calls(
     events = prof.events()
     launches: collections.Counter[str] = collections.Counter()
     for event in events:
-        if _is_top_level_aten(event):
+        if is_top_level_aten(event):
             launches[_phase_of(event) or "step"] += 1
     out: dict[str, Any] = {
         "time_kind": "device kernel time" if cuda else "CPU self time",
@@ -179,7 +179,7 @@ def _phase_of(event: Any) -> str | None:
     return None
 
 
-def _is_top_level_aten(event: Any) -> bool:
+def is_top_level_aten(event: Any) -> bool:
     if not event.name.startswith("aten::"):
         return False
     parent = event.cpu_parent
