@@ -140,8 +140,9 @@ def clipping_ops(layers: int, fused: bool) -> int:
     net(torch.randn(4, 8)).square().sum().backward()
     clipping = GradNormClipping(1e-3)
     clipping.look_up_targets(state)
-    params = clipping.targets.params  # type: ignore[union-attr]
-    return top_level_aten_ops(lambda: clipping.clip_params(params, state))
+    targets = clipping.targets
+    assert targets is not None
+    return top_level_aten_ops(lambda: clipping.clip(targets, state))
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["folded", "scaled"])

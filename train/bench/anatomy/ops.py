@@ -105,7 +105,7 @@ class FullStep:
             loss.backward()
         if self.clipping is not None:
             with label("clipping"):
-                self.clipping.clip_params(self.clipping.targets.params, self.state)  # type: ignore[union-attr]
+                self.clipping.clip_step(self.state)
         with label("optimizer"):
             self.optimizer.step()
         if self.ema is not None:
