@@ -9,7 +9,10 @@ int64 tensors - turned into a uniform or a normal. So:
   nothing per sample happens on the host. The loader's workers no longer draw (they did, with one
   torch.Generator per sample: ~45 us a sample on the host, and 2 latent-sized float32 tensors a sample
   through shared memory, pinning and the host-to-device copy, more bytes than the stored latents);
-- each kind has its own counter stream: adding a draw never shifts another.
+- each kind has its own counter stream: adding a draw never shifts another;
+- a batch's kinds are hashed together (`hash_kinds`: one pass of the mixer over every counter of every kind,
+  the same bits as hashing kind by kind): ~75 small ops a step where kind by kind took ~185, each a kernel
+  launch on a GPU, outside the compiled U-Net.
 
 Normals come from Box-Muller over two 24-bit uniforms of one hash, computed in float32: |z| <= 5.77 (a
 true normal passes that once in ~10^8 values), otherwise standard normal (tested).
@@ -17,6 +20,7 @@ true normal passes that once in ~10^8 values), otherwise standard normal (tested
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -65,27 +69,63 @@ def hash_bits(seeds: torch.Tensor, kind: int, count: int) -> torch.Tensor:
     return mix64(key[:, None] + steps[None, :])
 
 
+@functools.lru_cache(maxsize=16)
+def _counters(counts: tuple[tuple[int, int], ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """For `hash_kinds`: each kind's key offset [K], and per column its kind's index and its step [N] (built
+    on the device by fills and aranges, no host copy; cached: the same every step)."""
+    offsets = torch.cat(
+        [torch.full((1,), _signed(kind * _GAMMA), dtype=torch.int64, device=device) for kind, _ in counts]
+    )
+    columns = torch.cat(
+        [torch.full((n,), i, dtype=torch.int64, device=device) for i, (_, n) in enumerate(counts)]
+    )
+    steps = torch.cat([torch.arange(1, n + 1, dtype=torch.int64, device=device) for _, n in counts])
+    return offsets, torch.stack([columns, steps * _signed(_GAMMA)])
+
+
+def hash_kinds(seeds: torch.Tensor, counts: tuple[tuple[int, int], ...]) -> list[torch.Tensor]:
+    """[B, count] bits for each (kind, count), in one pass: bit for bit `hash_bits(seeds, kind, count)`."""
+    offsets, table = _counters(counts, seeds.device)
+    keys = mix64(seeds.to(torch.int64)[:, None] + offsets[None, :])  # [B, K]
+    bits = mix64(keys.index_select(1, table[0]) + table[1][None, :])  # [B, N]
+    return list(bits.split([n for _, n in counts], dim=1))
+
+
 def _top_bits(bits: torch.Tensor) -> torch.Tensor:
     return _shr(bits, 64 - _BITS)
 
 
-def uniform(seeds: torch.Tensor, kind: int) -> torch.Tensor:
-    """[B] float32 in [0, 1), one per seed."""
-    return _top_bits(hash_bits(seeds, kind, 1))[:, 0].to(torch.float32) * _SCALE
+def uniform_of(bits: torch.Tensor) -> torch.Tensor:
+    """[B] float32 in [0, 1) from [B, 1] bits."""
+    return _top_bits(bits)[:, 0].to(torch.float32) * _SCALE
 
 
-def integers(seeds: torch.Tensor, kind: int, high: int) -> torch.Tensor:
-    """[B] int64 in [0, high), one per seed (multiply-shift: exact, bias below high / 2^24)."""
-    return (_top_bits(hash_bits(seeds, kind, 1))[:, 0] * high) >> _BITS
+def integers_of(bits: torch.Tensor, high: int) -> torch.Tensor:
+    """[B] int64 in [0, high) from [B, 1] bits (multiply-shift: exact, bias below high / 2^24)."""
+    return (_top_bits(bits)[:, 0] * high) >> _BITS
 
 
-def normal(seeds: torch.Tensor, kind: int, shape: tuple[int, ...]) -> torch.Tensor:
-    """[B, *shape] float32 standard normals (Box-Muller, one normal per 64-bit hash)."""
-    bits = hash_bits(seeds, kind, math.prod(shape))
+def normal_of(bits: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """[B, *shape] float32 standard normals from [B, prod(shape)] bits (Box-Muller, one normal per hash)."""
     u1 = (_top_bits(bits) + 1).to(torch.float32) * _SCALE  # (0, 1]: log never sees 0
     u2 = (_shr(bits, 64 - 2 * _BITS) & ((1 << _BITS) - 1)).to(torch.float32) * _SCALE
     z = torch.sqrt(-2.0 * torch.log(u1)) * torch.cos((2.0 * math.pi) * u2)
-    return z.view(seeds.shape[0], *shape)
+    return z.view(bits.shape[0], *shape)
+
+
+def uniform(seeds: torch.Tensor, kind: int) -> torch.Tensor:
+    """[B] float32 in [0, 1), one per seed."""
+    return uniform_of(hash_bits(seeds, kind, 1))
+
+
+def integers(seeds: torch.Tensor, kind: int, high: int) -> torch.Tensor:
+    """[B] int64 in [0, high), one per seed."""
+    return integers_of(hash_bits(seeds, kind, 1), high)
+
+
+def normal(seeds: torch.Tensor, kind: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """[B, *shape] float32 standard normals."""
+    return normal_of(hash_bits(seeds, kind, math.prod(shape)), shape)
 
 
 class MissingDrawsError(KeyError):
@@ -116,11 +156,15 @@ class SampleDraws:
 
 
 def draw_for_samples(seeds: torch.Tensor, latent_shape: tuple[int, ...], num_timesteps: int) -> SampleDraws:
-    """Every draw of samples with these seeds (any device), for latents of `latent_shape` (C, H, W)."""
+    """Every draw of samples with these seeds (any device), for latents of `latent_shape` (C, H, W): the
+    values of `uniform`, `integers` and `normal` kind by kind, from one hashing pass."""
+    size = math.prod(latent_shape)
+    counts = ((KIND_COIN, 1), (KIND_TIMESTEP, 1), (KIND_LATENT_EPS, size), (KIND_NOISE, size))
+    coin, timestep, latent_eps, noise, offset = hash_kinds(seeds, (*counts, (KIND_OFFSET, latent_shape[0])))
     return SampleDraws(
-        coin=uniform(seeds, KIND_COIN),
-        timesteps=integers(seeds, KIND_TIMESTEP, num_timesteps),
-        latent_eps=normal(seeds, KIND_LATENT_EPS, latent_shape),
-        noise=normal(seeds, KIND_NOISE, latent_shape),
-        offset=normal(seeds, KIND_OFFSET, latent_shape[:1]),
+        coin=uniform_of(coin),
+        timesteps=integers_of(timestep, num_timesteps),
+        latent_eps=normal_of(latent_eps, latent_shape),
+        noise=normal_of(noise, latent_shape),
+        offset=normal_of(offset, latent_shape[:1]),
     )
