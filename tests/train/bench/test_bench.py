@@ -167,8 +167,13 @@ def test_bench_runs_the_recipe_as_a_run_of_it_trains(bench_run: tuple[dict[str, 
         # its bare step profiled: the ATen ops it launches (on a GPU also its kernels and busy share)
         assert as_run["profile"]["top_level_aten_ops_per_step"] > 0
         assert as_run["profile"]["time_kind"] == "CPU self time"
+        # and whole Composer batches counted the same way: the bare step's work, clipping, EMA, events
+        batch, bare = as_run["profile"]["composer_batch"], as_run["profile"]
+        assert batch["batches"] == 2 and batch["aten_ops_per_batch"] >= bare["top_level_aten_ops_per_step"]
+        assert batch["python_calls_per_batch"] >= bare["python_calls_per_step"]
         (line,) = [n for n in result["findings"] if n.startswith(f"tiny as a run of it trains at {res} px")]
         assert "FSDP SHARD_GRAD_OP per block, NCHW" in line and "microbatch 4" in line
+        assert "Python calls a bare step" in line and "a Composer batch" in line
         assert "the step section's" in line
         assert f"tiny as run, {res} px (FSDP SHARD_GRAD_OP per block" in markdown
         # each trainer.as_recipe_variants entry, run the same way with its overrides on top
@@ -196,6 +201,7 @@ def test_bench_counts_the_host_work_fsdp_adds_to_the_sd2_recipe_as_run(
     for run in twin["runs"].values():
         assert not run["compiled"] and positive(run["per_batch_s"]) and positive(run["first_batch_s"])
         assert positive(run["aten_ops_per_step"]) and positive(run["python_calls_per_step"])
+        assert run["composer_batch"]["aten_ops_per_batch"] >= run["aten_ops_per_step"]
     added = twin["fsdp_added"]
     # PyTorch's FSDP (use_orig_params) re-points each parameter at a view of its flat parameter around every
     # unit's forward and backward: ~10 ATen ops and ~80 Python calls a parameter tensor a step (measured)
@@ -204,6 +210,7 @@ def test_bench_counts_the_host_work_fsdp_adds_to_the_sd2_recipe_as_run(
     assert 0 <= added["share_of_batch"] < 1
     (line,) = [n for n in result["findings"] if n.startswith("host twin (sd2-base-256 as run")]
     assert "686 parameter tensors, 38 FSDP units" in line and "of the batch on this host" in line
+    assert "a whole Composer batch fsdp_per_block" in line and "a whole Composer batch no_fsdp" in line
     assert (
         "host twin sd2-base-256, sd2-base-slim 64 px (FSDP per block / none)"
         in (out / MARKDOWN_NAME).read_text()

@@ -24,6 +24,7 @@ import torch
 from shared.runtime.device import DeviceSetup
 from train.bench.anatomy.profile import profile_calls, python_calls
 from train.bench.step import train_step
+from train.bench.trainer.counts import BatchCounts, counting_callback
 from train.bench.trainer.syncs import Readbacks, count_readbacks, step_tracker
 from train.config import TrainConfig
 from train.data.packing import unpack
@@ -261,10 +262,14 @@ def bench_trainer(
     inside it, and vs the bare step timed after every batch on the trainer's own model, optimizer and
     batch; then (flow_batches) unsynced batches against as many bare steps back to back; then
     (profile_steps) bare steps under the profiler: ATen ops launched, kernels and the device's busy share, and
-    as many counting the Python calls they make."""
+    as many counting the Python calls they make, and as many whole Composer batches counted the same way."""
     attributed = warmup + batches
     # At least one batch after the attributed ones: the last of those ends at the next BEFORE_DATALOADER.
     total = attributed + max(flow_batches, 1)
+    # then (profile_steps) whole Composer batches counted, and one more: the last ends at its successor
+    counts = BatchCounts(attributed + flow_batches, profile_steps) if profile_steps else None
+    if counts is not None:
+        total = counts.start_after + counts.batches + 1
     cfg = trainer_config(recipe, root, resolution, batch_size, total, work, setup, fsdp)
     forget_compiled_code()  # the step section's models compiled in this process too (a run has one)
     trainer = build_trainer(cfg)
@@ -278,6 +283,8 @@ def bench_trainer(
     instrument(trainer, clock)
     with count_readbacks() as reads, time_step_work(trainer, clock):
         trainer.state.callbacks.insert(0, step_tracker(reads))
+        if counts is not None:
+            trainer.state.callbacks.insert(0, counting_callback(counts))
         try:
             trainer.fit()
             flow = flow_against_bare_steps(clock) if flow_batches else None
@@ -292,6 +299,8 @@ def bench_trainer(
         out["flow"] = flow
     if profiled is not None:
         out["profile"] = profiled
+    if counts is not None and profiled is not None:
+        profiled["composer_batch"] = counts.per_batch()  # the same host counts over whole Composer batches
     return out
 
 

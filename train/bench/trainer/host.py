@@ -81,6 +81,8 @@ def bench_host_twin(cfg: BenchConfig, setup: DeviceSetup, work: Path) -> dict[st
             "first_batch_s": run["first_batch_s"],
             "aten_ops_per_step": run["profile"]["top_level_aten_ops_per_step"],
             "python_calls_per_step": run["profile"]["python_calls_per_step"],
+            # the same over whole Composer batches: clipping, the EMA, events and callbacks included
+            "composer_batch": run["profile"]["composer_batch"],
         }
     wrapped, bare = out["runs"][WRAPPED], out["runs"][BARE]
     added = {key: wrapped[key] - bare[key] for key in COUNTS}

@@ -57,7 +57,7 @@ def variant_finding(recipe: str, name: str, run: dict[str, Any], as_run: dict[st
     """A trainer.as_recipe_variants entry against the recipe as run at the same resolution."""
     line = (
         f"{recipe} as run with {name} ({', '.join(run['overrides'])}) at {run['resolution']} px "
-        f"({_ran(run)}): {_rate(run)}{_busy(run)}"
+        f"({_ran(run)}): {_rate(run)}{_busy(run)}{_host(run)}"
     )
     if as_run:
         line += f"; {_gain(run, as_run):.2f}x the recipe as run"
@@ -91,6 +91,21 @@ def _busy(run: dict[str, Any]) -> str:
     return f"; device busy {busy:.0%} of its bare step" if busy else ""
 
 
+def _host(run: dict[str, Any]) -> str:
+    """The host's work: its bare step's ATen ops and Python calls, and a whole Composer batch's."""
+    profile = run.get("profile", {})
+    if "python_calls_per_step" not in profile:
+        return ""
+    line = (
+        f"; host: {profile['top_level_aten_ops_per_step']:,.0f} ATen ops and "
+        f"{profile['python_calls_per_step']:,.0f} Python calls a bare step"
+    )
+    if batch := profile.get("composer_batch"):
+        ops, calls = batch["aten_ops_per_batch"], batch["python_calls_per_batch"]
+        line += f", {ops:,.0f} and {calls:,.0f} a Composer batch"
+    return line
+
+
 def _rate(as_run: dict[str, Any]) -> str:
     mfu = "" if as_run["mfu"] is None else f", {as_run['mfu']:.1%} MFU"
     return f"{as_run['images_per_s_per_device']:,.1f} img/s{mfu}"
@@ -100,6 +115,7 @@ def as_recipe_finding(recipe: str, as_run: dict[str, Any], step: dict[str, Any] 
     line = (
         f"{recipe} as a run of it trains at {as_run['resolution']} px ({_ran(as_run)}; one device, no "
         f"communication): {_rate(as_run)}, first batch {as_run['first_batch_s']:.1f} s{_busy(as_run)}"
+        f"{_host(as_run)}"
     )
     if step:
         share = as_run["images_per_s_per_device"] / step["images_per_s_per_device"]
@@ -171,6 +187,12 @@ def host_twin_finding(twin: dict[str, Any]) -> str:
         f"(+{per['aten_ops_per_step']:.1f} and +{per['python_calls_per_step']:.0f} per parameter tensor); "
         f"a batch {wrapped['per_batch_s']:.3f} s against {bare['per_batch_s']:.3f} s: FSDP's bookkeeping is "
         f"{added['share_of_batch']:.0%} of the batch on this host"
+        + "".join(
+            f"; a whole Composer batch {name} {c['aten_ops_per_batch']:,.0f} ATen ops and "
+            f"{c['python_calls_per_batch']:,.0f} Python calls"
+            for name, run in twin["runs"].items()
+            if (c := run.get("composer_batch"))
+        )
     )
 
 
