@@ -6,7 +6,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
-from composer.core import Callback, Engine, Event
+from composer.core import Algorithm, Callback, Engine, Event
 
 from train.loop.events import LeanEngine, handles
 
@@ -70,3 +70,49 @@ def test_handles_only_what_the_class_or_instance_defines() -> None:
     assert not any(handles(silent, event) for event in Event)
     assert all(handles(own, event) for event in Event)
     assert handles(wrapped, Event.BEFORE_FORWARD) and not handles(wrapped, Event.AFTER_FORWARD)
+
+
+class Recording(Algorithm):
+    """Runs on two events, recording its calls into the shared list."""
+
+    def __init__(self, calls: list[tuple[str, str]]):
+        self.calls = calls
+
+    def match(self, event: Event, state: Any) -> bool:
+        return event in (Event.AFTER_TRAIN_BATCH, Event.BATCH_END)
+
+    def apply(self, event: Event, state: Any, logger: Any) -> None:
+        self.calls.append(("algorithm", event.value))
+
+
+def run_events(engine_class: type[Engine]) -> tuple[list[tuple[str, str]], list[list[str]]]:
+    """Every event after INIT through `run_event`: the calls made and each event's trace names."""
+    calls: list[tuple[str, str]] = []
+    engine = object.__new__(engine_class)
+    engine.state = SimpleNamespace(  # type: ignore[assignment]
+        profiler=None,
+        callbacks=callbacks(calls),
+        algorithms=[Recording(calls)],
+        dataloader=[],
+        max_duration=1,
+    )
+    engine.logger = SimpleNamespace(log_traces=lambda traces: calls.append(("traces", ",".join(traces))))  # type: ignore[assignment]
+    engine.algorithm_passes = []
+    engine._debug_log = lambda event, msg: None  # type: ignore[method-assign]
+    engine._is_closed = False
+    try:
+        traces = [
+            [trace.name for trace in engine.run_event(e).values()] for e in Event if e is not Event.INIT
+        ]
+    finally:
+        engine._is_closed = True
+    return calls, traces
+
+
+def test_lean_run_event_runs_the_same_algorithms_callbacks_and_traces() -> None:
+    """LeanEngine.run_event skips the profiler's marker checks and the dataloader / duration asserts: the
+    algorithms, callbacks and trace logging stay Composer's, in Composer's order."""
+    composer, lean = run_events(Engine), run_events(LeanEngine)
+    assert lean == composer
+    assert ("algorithm", "batch_end") in lean[0] and ("b", "batch_end") in lean[0]
+    assert sum(call[0] == "traces" for call in lean[0]) == 2 and ["Recording"] in lean[1]
