@@ -63,7 +63,8 @@ def mix64(x: torch.Tensor) -> torch.Tensor:
 
 def hash_bits(seeds: torch.Tensor, kind: int, count: int) -> torch.Tensor:
     """[B, count] int64 random bit patterns: element i of `kind` for each seed (splitmix64's i-th output
-    from a state keyed by (seed, kind))."""
+    from a state keyed by (seed, kind)). The definition, kind by kind; a step hashes its kinds together with
+    `hash_kinds`, tested equal to this bit for bit."""
     key = mix64(seeds.to(torch.int64) + _signed(kind * _GAMMA))
     steps = torch.arange(1, count + 1, dtype=torch.int64, device=seeds.device) * _signed(_GAMMA)
     return mix64(key[:, None] + steps[None, :])

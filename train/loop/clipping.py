@@ -18,9 +18,9 @@ gradient even on one device (686 a step for SD2-base: a quarter of the compiled 
 Under FSDP the same three dispatches give each rank the norm of its own gradients (shards, with a sharded
 strategy); their squares are summed over the FSDP process group with one all-reduce, as FSDP's
 `clip_grad_norm_` does. FSDP's own method takes one `vector_norm` per gradient and scales each gradient with
-its own `mul_` and `.to`: 2,224 dispatches a step on rank 0 of 2 gloo ranks at SD2-base's module tree, and
-with NO_SHARD (one GPU) it hands over to torch's `clip_grad_norm_` (695). Here it is about ten for any
-number of gradients, and the scale folds into the fused step as above.
+its own `mul_` and `.to`: 2,224 dispatches a step on rank 0 of 2 gloo ranks at SD2-base's module tree (443
+gradients after a backward), and with NO_SHARD (one GPU) it hands over to torch's `clip_grad_norm_` (695).
+Here it is about ten for any number of gradients, and the scale folds into the fused step as above.
 
 It scales the gradients itself where the step cannot: AMP fp16 (GradScaler owns `grad_scale`), an
 optimizer that is not fused, or one that holds other parameters. Several FSDP roots in one model clip
@@ -46,9 +46,9 @@ class ClipTargets:
     model: torch.nn.Module
     params: list[torch.nn.Parameter]  # the trainable parameters (FSDP's original ones under FSDP)
     # under FSDP with a sharded strategy: the parameters whose gradients each rank holds a shard of; the
-    # squares of their local norms are summed over `group` (the rest are whole on every rank)
+    # squares of their local norms are summed over `group`
     sharded: list[torch.nn.Parameter] = field(default_factory=list)
-    whole: list[torch.nn.Parameter] = field(default_factory=list)  # the others: whole on every rank
+    whole: list[torch.nn.Parameter] = field(default_factory=list)  # the rest: whole on every rank
     group: Any = None
     fsdp_roots: list[FullyShardedDataParallel] = field(default_factory=list)  # several roots: FSDP's own
 

@@ -264,12 +264,11 @@ def bench_trainer(
     (profile_steps) bare steps under the profiler: ATen ops launched, kernels and the device's busy share, and
     as many counting the Python calls they make, and as many whole Composer batches counted the same way."""
     attributed = warmup + batches
-    # At least one batch after the attributed ones: the last of those ends at the next BEFORE_DATALOADER.
-    total = attributed + max(flow_batches, 1)
-    # then (profile_steps) whole Composer batches counted, and one more: the last ends at its successor
+    # then (profile_steps) whole Composer batches counted after the flow batches
     counts = BatchCounts(attributed + flow_batches, profile_steps) if profile_steps else None
-    if counts is not None:
-        total = counts.start_after + counts.batches + 1
+    # At least one batch after the attributed ones, and after the counted ones: each of those ends at the
+    # next BEFORE_DATALOADER (the flow batches end at their own BATCH_END).
+    total = counts.start_after + counts.batches + 1 if counts else attributed + max(flow_batches, 1)
     cfg = trainer_config(recipe, root, resolution, batch_size, total, work, setup, fsdp)
     forget_compiled_code()  # the step section's models compiled in this process too (a run has one)
     trainer = build_trainer(cfg)
@@ -299,7 +298,7 @@ def bench_trainer(
         out["flow"] = flow
     if profiled is not None:
         out["profile"] = profiled
-    if counts is not None and profiled is not None:
+    if counts is not None and profiled is not None:  # (both or neither: profile_steps)
         profiled["composer_batch"] = counts.per_batch()  # the same host counts over whole Composer batches
     return out
 
