@@ -75,6 +75,10 @@ def plan_train(
     topology = options.topology()
     program = ("train", "fit", program_target(config), *overrides)
     plan = LaunchPlan("train", config, options, topology, program)
+    try:  # fsdp=null decided for this many ranks, as the job decides it (and refused where it would be)
+        cfg = cfg.for_world(topology.world_size)
+    except ConfigError as err:  # a dry run still prints the rest of the plan, this last
+        plan.refuse(str(err))
     plan.supervision = supervision_of(cfg, topology, write_gb_per_s)
     plan.max_requeues = cfg.resilience.max_requeues
     check_save_folder(plan, cfg)

@@ -29,7 +29,9 @@ def test_sd2_recipe_numbers() -> None:
     for cfg in (phase1, phase2):
         assert (cfg.optimizer.lr, cfg.optimizer.weight_decay, cfg.optimizer.warmup) == (1e-4, 0.01, "10000ba")
         assert (cfg.global_batch_size, cfg.ema.smoothing, cfg.model.caption_dropout) == (2048, 0.9999, 0.1)
-        assert cfg.fsdp and cfg.fsdp_sharding_strategy == "SHARD_GRAD_OP" and cfg.precision == "auto"
+        assert cfg.fsdp_sharding_strategy == "SHARD_GRAD_OP" and cfg.precision == "auto"
+        # FSDP on a cluster; one GPU has nothing to shard and trains unwrapped (fsdp: null)
+        assert cfg.fsdp is None and cfg.for_world(256).fsdp is True and cfg.for_world(1).fsdp is False
     assert (phase1.data.resolution, phase1.max_duration) == (256, "1126400000sp")
     assert (phase2.data.resolution, phase2.max_duration) == (512, "1740800000sp")
     assert phase2.load_weights_only and phase2.load_path
@@ -122,9 +124,39 @@ def test_cpu_machine_resolves_auto_to_cpu_fp32() -> None:
 
     if torch.cuda.is_available():
         pytest.skip("checks the CPU-only resolution")
-    cfg = load_config(TrainConfig, "sd2-base-256", kind="train")  # fsdp: true, precision: auto
-    with pytest.raises(ConfigError, match="fsdp=false"):  # a GPU job on a host whose GPUs are not seen
+    cfg = load_config(TrainConfig, "sd2-base-256", kind="train")  # fsdp: null, precision: auto
+    # a GPU job on a host whose GPUs are not seen
+    with pytest.raises(ConfigError, match=r"fsdp=null needs GPUs .* pass fsdp=false"):
         resolve_device(cfg)
     assert resolve_device(load_config(TrainConfig, "sd2-base-256", ["device=cpu"], kind="train")) == "cpu"
     cpu = load_config(TrainConfig, "tiny", ["precision=auto"], kind="train")
     assert resolve_precision(cpu, resolve_device(cpu)) == "fp32"
+
+
+def test_fsdp_null_shards_on_a_cluster_and_leaves_one_rank_unwrapped(tmp_path: Path) -> None:
+    """fsdp: null (the SD2 recipes): FSDP when the run has more than one rank; one rank has nothing to shard,
+    so it trains unwrapped (its U-Net one compiled graph). The dry-run plan decides it as the job does."""
+    from shared.launch.plan import LaunchOptions
+    from train.launch import plan_train
+
+    save = f"save_folder={tmp_path}"
+    cfg = load_config(TrainConfig, "sd2-base-256", [save], kind="train")
+    assert (cfg.for_world(1).fsdp, cfg.for_world(2).fsdp, cfg.for_world(256).fsdp) == (False, True, True)
+    assert (cfg.resolved_checkpoint_format(1), cfg.resolved_checkpoint_format(256)) == ("full", "sharded")
+    one = "\n".join(plan_train("sd2-base-256", [save], LaunchOptions(1, "local")).cluster)
+    many = "\n".join(plan_train("sd2-base-256", [save], LaunchOptions(256, "slurm")).cluster)
+    assert "the whole U-Net as one graph" in one and "(SHARD_GRAD_OP" not in one
+    assert "one graph per FSDP unit" in many and "(SHARD_GRAD_OP" in many
+    # What FSDP cannot do is refused once null means FSDP, naming the fix; on one rank it is allowed.
+    graphs = load_config(TrainConfig, "sd2-base-256", [save, "compile_mode=reduce-overhead"], kind="train")
+    assert graphs.for_world(1).fsdp is False
+    with pytest.raises(ConfigError, match="pass fsdp=false"):
+        graphs.for_world(256)
+    refused = plan_train("sd2-base-256", [save, "compile_mode=reduce-overhead"], LaunchOptions(256, "slurm"))
+    assert any("pass fsdp=false" in why for why in refused.refusals)
+    sharded = load_config(TrainConfig, "sd2-base-256", [save, "checkpoint_format=sharded"], kind="train")
+    assert sharded.for_world(8).fsdp is True
+    with pytest.raises(ConfigError, match="checkpoint_format=sharded needs fsdp=true"):
+        sharded.for_world(1)
+    explicit = load_config(TrainConfig, "sd2-base-256", [save, "fsdp=true"], kind="train")
+    assert explicit.for_world(1) is explicit  # asked for: FSDP (NO_SHARD) on one rank too (the bench's twin)

@@ -32,7 +32,8 @@ def test_the_estimates_memory_section_is_the_train_recipes(recipe: str) -> None:
     cfg, memory = load_config(TrainConfig, recipe, kind="train"), MemoryConfig()
     assert memory.microbatch[str(cfg.data.resolution)] == cfg.device_microbatch_size
     assert memory.global_batch == cfg.global_batch_size and memory.preset == cfg.model.preset
-    assert memory.strategy == (cfg.fsdp_sharding_strategy if cfg.fsdp else "DDP")
+    cluster = cfg.global_batch_size // cfg.device_microbatch_size  # the GPUs the recipe's batch is sized for
+    assert memory.strategy == (cfg.fsdp_sharding_strategy if cfg.uses_fsdp(cluster) else "DDP")
     assert (recipe, ()) in MEASURED_RECIPES and (
         cfg.model.preset,
         cfg.data.resolution,

@@ -318,9 +318,17 @@ def load_recipe(
 ) -> TrainConfig:
     """The train recipe at the bench's preset, device and precision, `extra` overrides last (an anatomy
     variant's switches); `one_device`: FSDP off, whatever the recipe or recipe_overrides say (the sections
-    that time the U-Net unwrapped), else as the train job would load it (trainer.as_recipe)."""
+    that time the U-Net unwrapped), else as the train job would load it on the recipe's cluster
+    (trainer.as_recipe: fsdp=null decided for `cluster_ranks`)."""
     overrides = [*cfg.recipe_overrides, *(["fsdp=false"] if one_device else []), *(extra or [])]
-    return recipe_on(cfg.recipe, cfg.preset, cfg.data_resolution(), setup, work, overrides)
+    recipe = recipe_on(cfg.recipe, cfg.preset, cfg.data_resolution(), setup, work, overrides)
+    return recipe if one_device else recipe.for_world(cluster_ranks(recipe))
+
+
+def cluster_ranks(recipe: TrainConfig) -> int:
+    """The ranks a recipe's global batch is sized for: one microbatch per step on each (sd2-base-256:
+    2048 / 8 = 256 GPUs), as trainer.as_recipe runs it."""
+    return max(1, recipe.global_batch_size // recipe.device_microbatch_size)
 
 
 def recipe_on(

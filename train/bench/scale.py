@@ -81,7 +81,7 @@ class CommSettings:
 
 
 def shipped_settings(recipe: str = SHIPPED_RECIPE, world_size: int = SHIPPED_WORLD_SIZE) -> CommSettings:
-    cfg = load_config(TrainConfig, recipe, [], kind="train")
+    cfg = load_config(TrainConfig, recipe, [], kind="train").for_world(world_size)
     batching = derive_batching(cfg.global_batch_size, world_size, cfg.device_microbatch_size)
     precision = resolve_precision(cfg.precision, "gpu")
     fsdp = parallelism_config(fsdp_context(cfg, precision, world_size))["fsdp"]  # type: ignore[index]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from shared import storage
@@ -51,7 +51,10 @@ class TrainConfig:
     precision: Precision = "auto"  # auto: amp_bf16 on GPU, fp32 on CPU
     # Shard with FSDP (Composer's FSDP, use_orig_params). GPUs in production; on CPU ranks (gloo) it runs
     # when asked for explicitly, which is how the test suite runs the sharded path (docs/gpu-path.md).
-    fsdp: bool = False
+    # null: on when the run has more than one rank. One rank has nothing to shard: FSDP would run NO_SHARD,
+    # the same memory as no FSDP, plus its per-unit hooks every step (+6,681 ATen ops and +55,826 Python
+    # calls a step at SD2-base's module tree: make bench's trainer.host_twin) and NCHW conv kernels.
+    fsdp: bool | None = False
     fsdp_sharding_strategy: Literal["SHARD_GRAD_OP", "FULL_SHARD", "NO_SHARD"] = "SHARD_GRAD_OP"
     # dtype FSDP reduce-scatters gradients in: fp32 (exact sums, 4 bytes per parameter per microbatch) or
     # bf16 (half the bytes; sums over many ranks lose precision). Params are gathered in `precision`'s dtype.
@@ -141,10 +144,11 @@ class TrainConfig:
             raise ConfigError("save_folder is empty: set it in the train YAML or pass save_folder=...")
         if self.load_weights_only and not self.load_path:
             raise ConfigError("load_weights_only=true needs load_path=<checkpoint file or save folder>")
-        if self.checkpoint_format == "sharded" and not self.fsdp:
+        if self.checkpoint_format == "sharded" and self.fsdp is False:
             raise ConfigError(
                 "checkpoint_format=sharded needs fsdp=true (Composer writes sharded checkpoints only under "
-                "its FSDP); pass fsdp=true, or checkpoint_format=auto / full"
+                "its FSDP; fsdp=null runs one rank without it); pass fsdp=true, or checkpoint_format=auto / "
+                "full"
             )
         if self.device == "cpu" and self.precision.startswith("amp"):
             raise ConfigError(f"precision={self.precision} needs a GPU; CPU training runs precision=fp32")
@@ -156,7 +160,7 @@ class TrainConfig:
                 f"compile_mode={self.compile_mode} is inductor's; compile_backend={self.compile_backend} has "
                 "no modes: pass compile_backend=inductor, or compile_mode=default"
             )
-        if self.uses_cuda_graphs() and self.fsdp:
+        if self.uses_cuda_graphs() and self.fsdp:  # fsdp=null: refused once resolved for several ranks
             raise ConfigError(
                 f"compile_mode={self.compile_mode} captures CUDA graphs, which FSDP's per-block gathers "
                 "break into pieces it cannot replay: pass fsdp=false (one GPU, or DDP), or "
@@ -197,12 +201,23 @@ class TrainConfig:
         """Stable across reruns of the same command: autoresume looks for this run's checkpoints."""
         return self.run_name or f"{self.name}-{fingerprint(self.save_folder.rstrip('/'))[:8]}"
 
+    def uses_fsdp(self, world_size: int) -> bool:
+        """fsdp as asked, or (null) when the run has more than one rank: one has nothing to shard."""
+        return world_size > 1 if self.fsdp is None else self.fsdp
+
+    def for_world(self, world_size: int) -> TrainConfig:
+        """This config as a run on `world_size` ranks trains it: fsdp decided (a null fsdp meets the checks
+        an explicit one does, e.g. CUDA graphs refused under FSDP)."""
+        if self.fsdp is not None:
+            return self
+        return replace(self, fsdp=self.uses_fsdp(world_size))
+
     def resolved_checkpoint_format(self, world_size: int) -> Literal["full", "sharded"]:
         """checkpoint_format with auto decided: sharded under FSDP on more than one rank (where a full
         checkpoint would funnel ~14 GB through rank 0 at every save), else full."""
         if self.checkpoint_format != "auto":
             return self.checkpoint_format
-        return "sharded" if self.fsdp and world_size > 1 else "full"
+        return "sharded" if self.uses_fsdp(world_size) and world_size > 1 else "full"
 
     def save_is_remote(self) -> bool:
         return storage.is_s3(self.save_folder)

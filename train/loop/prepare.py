@@ -59,10 +59,11 @@ class RunContext:
 # ---------------------------------------------------------------------------------------- preparing
 def resolve_device(cfg: TrainConfig) -> str:
     device = resolve_device_kind(cfg.device)
-    if device == "cpu" and cfg.fsdp and cfg.device != "cpu":  # a GPU job on a host whose GPUs are not seen
+    # A GPU job (fsdp true, or null as the SD2 recipes have it) on a host whose GPUs are not seen.
+    if device == "cpu" and cfg.fsdp is not False and cfg.device != "cpu":
         raise ConfigError(
-            "fsdp=true needs GPUs and none is visible; pass fsdp=false for a CPU run, or device=cpu to run "
-            "FSDP on CPU ranks over gloo (docs/gpu-path.md)"
+            f"fsdp={'null' if cfg.fsdp is None else 'true'} needs GPUs and none is visible; pass fsdp=false "
+            "for a CPU run, or device=cpu to run FSDP on CPU ranks over gloo (docs/gpu-path.md)"
         )
     if device == "cpu" and cfg.fsdp:  # asked for: the sharded path on CPU ranks (train/loop/cpu_fsdp.py)
         log.info("fsdp=true on CPU: FSDP over gloo, as the tests run it; GPU runs shard the same way")
@@ -166,10 +167,22 @@ def resolve_start(cfg: TrainConfig) -> StartPoint:
     return StartPoint()
 
 
+def resolve_fsdp(cfg: TrainConfig, world: int) -> TrainConfig:
+    """`cfg` with fsdp decided for `world` ranks; a null fsdp says what it became (TrainConfig.fsdp)."""
+    resolved = cfg.for_world(world)
+    if cfg.fsdp is None:
+        why = "more than one rank" if resolved.fsdp else "one rank has nothing to shard"
+        log.info("fsdp: null -> %s on %d rank%s (%s)", str(resolved.fsdp).lower(), world,
+                 "s" if world > 1 else "", why)  # fmt: skip
+    return resolved
+
+
 def prepare_run(cfg: TrainConfig) -> RunContext:
     device = resolve_device(cfg)
     precision = resolve_precision(cfg, device)
-    batching = derive_batching(cfg.global_batch_size, world_size(), cfg.device_microbatch_size)
+    world = world_size()
+    cfg = resolve_fsdp(cfg, world)
+    batching = derive_batching(cfg.global_batch_size, world, cfg.device_microbatch_size)
     check_cuda_graphs(cfg, device, batching.grad_accum)
     manifest, pinned, streams = prepare_data(cfg)
     run_name = cfg.resolved_run_name()

@@ -285,6 +285,7 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
 
     libraries_retry_like_us()  # Composer's uploader and Streaming's downloads: our S3 attempts (transfers.py)
     ctx = prepare_run(cfg)
+    cfg = ctx.cfg  # fsdp decided for this run's ranks
     model = build_model(ctx)
     write_resolved_config(ctx)
     # Join torch.distributed before Streaming starts: otherwise Streaming brings up its own process group

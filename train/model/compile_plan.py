@@ -43,7 +43,7 @@ def compile_plan_line(
     if not use_compile(cfg, device):
         return ""
     graphs = "one graph per FSDP unit (each ResNet / transformer block) plus the glue between them"
-    if not cfg.fsdp:
+    if not cfg.uses_fsdp(world_size):
         graphs = "the whole U-Net as one graph"
         if cfg.compile_scope == "blocks":
             graphs = "each ResNet / transformer block as its own graph, one per shape (the glue eager)"

@@ -21,7 +21,7 @@ def _ctx(cfg: TrainConfig) -> Any:
 
 @pytest.mark.parametrize(("reduce", "expected"), [("fp32", torch.float32), ("bf16", torch.bfloat16)])
 def test_fsdp_reduce_dtype_reaches_composers_mixed_precision(reduce: str, expected: torch.dtype) -> None:
-    cfg = load_config(TrainConfig, "sd2-base-256", [f"fsdp_reduce_dtype={reduce}"], kind="train")
+    cfg = load_config(TrainConfig, "sd2-base-256", [f"fsdp_reduce_dtype={reduce}"], kind="train").for_world(2)
     fsdp = parallelism_config(_ctx(cfg))["fsdp"]  # type: ignore[index]
     assert fsdp["sharding_strategy"] == "SHARD_GRAD_OP"
     # Composer's own interpretation of the setting, as its FSDP wrapper calls it
@@ -31,7 +31,7 @@ def test_fsdp_reduce_dtype_reaches_composers_mixed_precision(reduce: str, expect
 
 
 def test_default_matches_composers_default_mixed_precision() -> None:
-    cfg = load_config(TrainConfig, "sd2-base-512", kind="train")
+    cfg = load_config(TrainConfig, "sd2-base-512", kind="train").for_world(2)
     fsdp = parallelism_config(_ctx(cfg))["fsdp"]  # type: ignore[index]
     ours = get_mixed_precision("amp_bf16", fsdp["mixed_precision"])[1:]
     assert ours == get_mixed_precision("amp_bf16", "DEFAULT")[1:]

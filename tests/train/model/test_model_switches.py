@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from diffusers.models.resnet import ResnetBlock2D
 from diffusers.models.transformers.transformer_2d import Transformer2DModel
@@ -41,6 +42,32 @@ def test_trainer_leaves_compilation_to_the_model(tiny_dataset: str, tmp_path: Pa
         assert model.unet._compiled_call_impl is not None
     finally:
         trainer.close()
+
+
+def test_fsdp_null_trains_one_rank_unwrapped_and_shards_several(
+    tiny_dataset: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The SD2 recipes' fsdp: null on one rank: no FSDP wrapper and NHWC conv kernels (FSDP keeps them
+    NCHW), as fsdp=false; the run's resolved config says so. On several ranks the same config shards."""
+    from train.loop import prepare
+    from train.loop.trainer import parallelism_config
+
+    cfg = tiny_config(tiny_dataset, tmp_path / "save", tmp_path / "cache", "fsdp=null", "device=cpu",
+                      "channels_last=true", "max_duration=1ba")  # fmt: skip
+    with caplog.at_level("INFO", logger="train.loop.prepare"):
+        trainer = build_trainer(cfg)
+    try:
+        assert "fsdp: null -> false on 1 rank (one rank has nothing to shard)" in caplog.text
+        assert trainer.state.fsdp_config is None and not trainer.state.fsdp_enabled
+        kernels = [p for p in trainer.state.model.unet.parameters() if p.dim() == 4]
+        assert all(p.is_contiguous(memory_format=torch.channels_last) for p in kernels)
+    finally:
+        trainer.close()
+    (resolved,) = tmp_path.glob("**/train_config.yaml")  # the run's config as it ran (train/loop/trainer.py)
+    assert "\nfsdp: false\n" in resolved.read_text()
+    monkeypatch.setattr(prepare, "world_size", lambda: 2)  # what prepare_run decides for two ranks
+    two = prepare.prepare_run(cfg)
+    assert two.cfg.fsdp is True and parallelism_config(two)["fsdp"]["state_dict_type"] == "sharded"  # type: ignore[index]
 
 
 def test_channels_last_is_on_for_gpu_by_default_and_anywhere_when_asked(

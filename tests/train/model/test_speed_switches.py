@@ -141,8 +141,9 @@ def test_sd2_recipes_compile_on_gpu_only_and_the_plan_says_what_it_costs(
     cfg = load_config(TrainConfig, "sd2-base-256", [f"save_folder={tmp_path}"], kind="train")
     assert cfg.compile is None and cfg.model.low_precision_norms and cfg.compile_cache_dir
     assert use_compile(cfg, "gpu") and not use_compile(cfg, "cpu")
-    line = compile_plan_line(cfg)
+    line = compile_plan_line(cfg, "gpu", 256)
     assert "first step also compiles" in line and "per FSDP unit" in line and cfg.compile_cache_dir in line
+    assert "whole U-Net as one graph" in compile_plan_line(cfg)  # one GPU: fsdp null trains it unwrapped
     single = load_config(TrainConfig, "sd2-base-256", [f"save_folder={tmp_path}", "fsdp=false"], kind="train")
     assert "whole U-Net as one graph" in compile_plan_line(single)
     regional = load_config(

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from shared.runtime.device import DeviceSetup
+from train.bench.config import cluster_ranks
 from train.bench.step import mfu
 from train.bench.trainer.batches import bench_trainer
 from train.config import TrainConfig
@@ -49,17 +50,19 @@ def bench_as_recipe(
 ) -> dict[str, Any]:
     """`recipe` as the train job loads it (its FSDP switch kept): images/s and MFU of its Composer batches
     at its microbatch, and how the U-Net ran (wrapped, compiled, layout of the conv kernels)."""
+    recipe = recipe.for_world(cluster_ranks(recipe))  # fsdp as on the recipe's cluster, not this device
     batch = recipe.device_microbatch_size
+    fsdp = bool(recipe.fsdp)
     run = bench_trainer(
-        recipe, root, resolution, batch, 1, warmup, work, setup, flow_batches, recipe.fsdp, PROFILE_STEPS
+        recipe, root, resolution, batch, 1, warmup, work, setup, flow_batches, fsdp, PROFILE_STEPS
     )
     per_batch = run["flow"]["composer_per_batch_s"]
     rate = batch / per_batch
     return {
         "resolution": resolution,
         "batch_size": batch,
-        "fsdp": recipe.fsdp,
-        "fsdp_sharding_strategy": recipe.fsdp_sharding_strategy if recipe.fsdp else None,
+        "fsdp": fsdp,
+        "fsdp_sharding_strategy": recipe.fsdp_sharding_strategy if fsdp else None,
         "compiled": use_compile(recipe, setup.kind),
         "channels_last": use_channels_last(recipe, setup.kind),  # the activations
         "conv_weights_channels_last": weights_channels_last(recipe, setup.kind),
