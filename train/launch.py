@@ -267,9 +267,12 @@ def cluster_lines(
     return lines, notes
 
 
-def memory_plan_line(cfg: TrainConfig, world_size: int, gpu_type: str) -> tuple[str, str]:
-    """(the plan's memory row, a warning or ""): device_microbatch_size against `gpu_type`'s memory, from the
-    activations measured for the shipped GPU recipes (shared/estimate/memory.py)."""
+def memory_plan_line(
+    cfg: TrainConfig, world_size: int, gpu_type: str, memory_gb: float | None = None
+) -> tuple[str, str]:
+    """(the plan's memory row, a warning or ""): device_microbatch_size against `gpu_type`'s memory (or
+    `memory_gb`, the GPU a run found), from the activations measured for the shipped GPU recipes
+    (shared/estimate/memory.py)."""
     check = memory_check(
         gpu_type,
         cfg.model.preset,
@@ -278,6 +281,7 @@ def memory_plan_line(cfg: TrainConfig, world_size: int, gpu_type: str) -> tuple[
         world_size,
         strategy_of(cfg),
         cfg.global_batch_size,
+        memory_gb,
     )
     if isinstance(check, str):
         return check, ""

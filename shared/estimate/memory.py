@@ -195,10 +195,13 @@ def memory_check(
     world_size: int = 1,
     strategy: Strategy = "DDP",
     global_batch: int | None = None,
+    memory_gb: float | None = None,
 ) -> MemoryCheck | str:
-    """The check for a GPU_TABLE type, or why there is none (no measurement for this preset and size)."""
+    """The check for a GPU_TABLE type, or why there is none (no measurement for this preset and size);
+    `memory_gb`: the memory of the GPU a run found (`gpu_type` then only names it)."""
     per_image = ACTIVATION_BYTES_PER_IMAGE.get((preset, resolution))
-    params, memory_gb = PRESET_PARAMS.get(preset), GPU_TABLE[gpu_type].memory_gb
+    params = PRESET_PARAMS.get(preset)
+    memory_gb = memory_gb or GPU_TABLE[gpu_type].memory_gb
     if not per_image or params is None or not memory_gb:
         return (
             f"no measured activation bytes for {preset} at {resolution} px on {gpu_type} "

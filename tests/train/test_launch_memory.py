@@ -78,3 +78,32 @@ def test_dry_run_names_switches_the_table_was_not_measured_with(tmp_path: Path) 
     assert plan.memory.endswith("this run has model.gradient_checkpointing=true)")
     unmeasured = plan_train("tiny", [f"save_folder={tmp_path}", "data.resolution=128"], LaunchOptions(1))
     assert unmeasured.memory.startswith("no measured activation bytes for tiny at 128 px on A100-40GB")
+
+
+@pytest.mark.parametrize(
+    ("gpus", "level", "says"),
+    [
+        (1, "WARNING", "most of it unused: set device_microbatch_size=256 (fewer accumulation steps"),
+        (256, "INFO", "most of it unused: up to 512 per GPU fit; this global batch on 4 GPUs"),
+    ],
+)
+def test_a_gpu_run_says_what_its_microbatch_leaves_unused_on_the_gpu_it_found(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, gpus: int, level: str, says: str
+) -> None:
+    """The dry-run plan's memory line, at the start of a run on the GPU it found (train/loop/prepare.py):
+    a warning where a larger microbatch divides the rank's batch (sd2-base-256 on one H200), one info line
+    where only a new recipe would use more (its 256 GPUs)."""
+    from train.loop.prepare import log_memory_fit
+
+    cfg = load_config(TrainConfig, "sd2-base-256", [f"save_folder={tmp_path}"], kind="train").for_world(gpus)
+    with caplog.at_level("INFO", logger="train.loop.prepare"):
+        log_memory_fit(cfg, gpus, "NVIDIA H200", 150.0)
+    (record,) = caplog.records
+    assert record.levelname == level and "256 px on NVIDIA H200: 8 per GPU uses" in record.getMessage()
+    assert says in record.getMessage(), record.getMessage()
+    caplog.clear()
+    unmeasured = load_config(
+        TrainConfig, "tiny", [f"save_folder={tmp_path}", "data.resolution=128"], kind="train"
+    )
+    log_memory_fit(unmeasured, 1, "NVIDIA H200", 150.0)  # no activation bytes measured: nothing said
+    assert caplog.records == []

@@ -5,6 +5,7 @@ batching, the dataset manifest and its contract, the pinned version, where train
 from __future__ import annotations
 
 import logging
+import os
 import re
 from dataclasses import dataclass, field
 
@@ -177,6 +178,31 @@ def resolve_fsdp(cfg: TrainConfig, world: int) -> TrainConfig:
     return resolved
 
 
+def log_memory_fit(cfg: TrainConfig, world: int, gpu_name: str, memory_gb: float) -> None:
+    """The microbatch against the GPU this run found, as the dry-run plan says it for a GPU type: a warning
+    where it does not fit, or leaves most of the GPU unused while a larger microbatch divides the rank's
+    batch (the recipes' 8 per GPU on one GPU: 8 ran at 27 img/s, 128 at 583 on an H200;
+    docs/performance.md); else one info line (a larger batch per GPU would change the recipe). Nothing where
+    no activation bytes were measured for the preset and resolution."""
+    from train.launch import memory_plan_line  # torch-free, as the plan it shares the line with
+
+    line, warning = memory_plan_line(cfg, world, gpu_name, memory_gb)
+    if line.startswith("no measured activation bytes"):
+        return
+    larger = "most of it unused: set device_microbatch_size" in line
+    log.log(logging.WARNING if warning or larger else logging.INFO, "memory: %s", warning or line)
+
+
+def log_gpu_memory_fit(cfg: TrainConfig, device: str, world: int) -> None:
+    """log_memory_fit for this node's GPU, once a node (local rank 0); nothing on CPU."""
+    if device != "gpu" or os.environ.get("LOCAL_RANK", "0") != "0":
+        return
+    import torch
+
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    log_memory_fit(cfg, world, props.name, props.total_memory / 1e9)
+
+
 def prepare_run(cfg: TrainConfig) -> RunContext:
     device = resolve_device(cfg)
     precision = resolve_precision(cfg, device)
@@ -184,6 +210,7 @@ def prepare_run(cfg: TrainConfig) -> RunContext:
     cfg = resolve_fsdp(cfg, world)
     batching = derive_batching(cfg.global_batch_size, world, cfg.device_microbatch_size)
     check_cuda_graphs(cfg, device, batching.grad_accum)
+    log_gpu_memory_fit(cfg, device, world)
     manifest, pinned, streams = prepare_data(cfg)
     run_name = cfg.resolved_run_name()
     ctx = RunContext(
