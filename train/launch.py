@@ -31,6 +31,7 @@ from shared.estimate.cluster import (
     step_comm,
     step_seconds,
 )
+from shared.estimate.gpus import GPU_TABLE
 from shared.estimate.memory import MEASURED_AS, memory_check
 from shared.estimate.model import dataset_text_store_line
 from shared.launch.cli import GpuTypeOpt, OverridesArg, launch_command
@@ -79,6 +80,9 @@ def plan_train(
         cfg = cfg.for_world(topology.world_size)
     except ConfigError as err:  # a dry run still prints the rest of the plan, this last
         plan.refuse(str(err))
+    # device_microbatch_size=null: what fits `gpu_type` (the job decides it for the GPU it finds)
+    memory_gb = None if cfg.device == "cpu" else GPU_TABLE[gpu_type].memory_gb
+    cfg = cfg.with_microbatch_for(topology.world_size, memory_gb)
     plan.supervision = supervision_of(cfg, topology, write_gb_per_s)
     plan.max_requeues = cfg.resilience.max_requeues
     check_save_folder(plan, cfg)

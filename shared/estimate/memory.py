@@ -102,6 +102,20 @@ def largest_divisor(n: int, at_most: int) -> int:
     return max((d for d in range(1, min(n, at_most) + 1) if n % d == 0), default=0)
 
 
+def microbatch_that_fits(
+    memory_gb: float, preset: str, resolution: int, per_rank_batch: int, world_size: int, strategy: Strategy
+) -> int | None:
+    """The largest microbatch that divides the rank's batch and fits in `memory_gb` beside the resident state
+    (at least 1: a run that fits none is warned about by its memory line); None where no activation bytes were
+    measured for the preset and resolution."""
+    per_image = ACTIVATION_BYTES_PER_IMAGE.get((preset, resolution))
+    params = PRESET_PARAMS.get(preset)
+    if not per_image or params is None:
+        return None
+    fit = batch_that_fits(memory_gb, per_image, params, world_size, strategy)
+    return largest_divisor(per_rank_batch, fit.max_images) or 1
+
+
 @dataclass(frozen=True)
 class MemoryCheck:
     """The recipe's microbatch against one GPU type's memory (module doc)."""

@@ -107,3 +107,26 @@ def test_a_gpu_run_says_what_its_microbatch_leaves_unused_on_the_gpu_it_found(
     )
     log_memory_fit(unmeasured, 1, "NVIDIA H200", 150.0)  # no activation bytes measured: nothing said
     assert caplog.records == []
+
+
+def test_a_null_microbatch_is_the_largest_that_divides_the_ranks_batch_and_fits(tmp_path: Path) -> None:
+    """device_microbatch_size=null: decided from the GPU's memory (the job: the GPU it finds; the dry-run
+    plan: --gpu-type), the rank's batch where there is no GPU memory or no measurement."""
+    from shared.estimate.gpus import GPU_TABLE
+    from shared.estimate.memory import microbatch_that_fits
+
+    # SD2-base at 256 px on one 150 GB GPU: 17.3 GB resident, 0.242 GB an image: 455 fit, 256 divides 2048
+    assert microbatch_that_fits(150.0, "sd2-base", 256, 2048, 1, "DDP") == 256
+    assert microbatch_that_fits(150.0, "sd2-base", 256, 8, 256, "SHARD_GRAD_OP") == 8  # the rank's batch
+    assert microbatch_that_fits(40.0, "sd2-base", 512, 2048, 1, "DDP") == 16  # 0.941 GB an image
+    assert microbatch_that_fits(150.0, "sd2-base", 768, 2048, 1, "DDP") is None  # not measured
+    null = [f"save_folder={tmp_path}", "device_microbatch_size=null"]
+    cfg = load_config(TrainConfig, "sd2-base-256", null, kind="train")
+    assert cfg.device_microbatch_size is None
+    assert cfg.for_world(1).with_microbatch_for(1, 150.0).device_microbatch_size == 256
+    assert cfg.for_world(1).with_microbatch_for(1, None).device_microbatch_size == 2048  # CPU: the rank's
+    assert cfg.for_world(16).with_microbatch_for(16, 80.0).device_microbatch_size == 128
+    plan = plan_train("sd2-base-256", null, LaunchOptions(1, "slurm"), gpu_type="H200")
+    expected = microbatch_that_fits(GPU_TABLE["H200"].memory_gb, "sd2-base", 256, 2048, 1, "DDP")
+    assert plan.batching is not None and plan.batching.microbatch == expected == 256
+    assert "256 per GPU uses" in plan.memory and "most of it unused" not in plan.memory

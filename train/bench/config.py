@@ -328,6 +328,11 @@ def load_recipe(
 def cluster_ranks(recipe: TrainConfig) -> int:
     """The ranks a recipe's global batch is sized for: one microbatch per step on each (sd2-base-256:
     2048 / 8 = 256 GPUs), as trainer.as_recipe runs it."""
+    if recipe.device_microbatch_size is None:
+        raise ConfigError(
+            "the bench runs the recipe as run at a fixed device_microbatch_size (null is decided for each "
+            "GPU at a run's start): set one, e.g. recipe_overrides=[device_microbatch_size=8]"
+        )
     return max(1, recipe.global_batch_size // recipe.device_microbatch_size)
 
 

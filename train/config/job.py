@@ -45,7 +45,12 @@ class TrainConfig:
     log: LogConfig = field(default_factory=LogConfig)
     resilience: ResilienceConfig = field(default_factory=ResilienceConfig)
     global_batch_size: int = allowed(2048, ge=1)
-    device_microbatch_size: int = allowed(4, ge=1)
+    # Images per forward/backward on each rank; the rank's batch (global / ranks) is run in as many
+    # microbatches as it takes (gradient accumulation). null: the largest that divides the rank's batch and
+    # fits the GPU the run finds (its memory against the activations measured for the preset and resolution,
+    # shared/estimate/memory.py; decided at start and logged, the dry-run plan for --gpu-type); on CPU, or
+    # where nothing was measured, the rank's batch.
+    device_microbatch_size: int | None = allowed(4, ge=1)
     max_duration: str = allowed("1ep", check=time_string())
     device: Device = "auto"
     precision: Precision = "auto"  # auto: amp_bf16 on GPU, fp32 on CPU
@@ -211,6 +216,22 @@ class TrainConfig:
         if self.fsdp is not None:
             return self
         return replace(self, fsdp=self.uses_fsdp(world_size))
+
+    def with_microbatch_for(self, world_size: int, memory_gb: float | None) -> TrainConfig:
+        """device_microbatch_size decided (null: the largest dividing the rank's batch that fits `memory_gb`,
+        the GPU's memory; the rank's batch on CPU, memory_gb None, or where nothing was measured). Call it
+        on a config whose fsdp is decided (for_world): FSDP shards the resident state."""
+        if self.device_microbatch_size is not None:
+            return self
+        from shared.estimate.memory import microbatch_that_fits
+
+        # (an uneven split is refused, naming the fix, where the batching is derived)
+        per_rank = max(1, self.global_batch_size // world_size)
+        strategy = self.fsdp_sharding_strategy if self.uses_fsdp(world_size) else "DDP"
+        fits = memory_gb and microbatch_that_fits(
+            memory_gb, self.model.preset, self.data.resolution, per_rank, world_size, strategy
+        )
+        return replace(self, device_microbatch_size=fits or per_rank)
 
     def resolved_checkpoint_format(self, world_size: int) -> Literal["full", "sharded"]:
         """checkpoint_format with auto decided: sharded under FSDP on more than one rank (where a full

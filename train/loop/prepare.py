@@ -193,21 +193,40 @@ def log_memory_fit(cfg: TrainConfig, world: int, gpu_name: str, memory_gb: float
     log.log(logging.WARNING if warning or larger else logging.INFO, "memory: %s", warning or line)
 
 
+def gpu_memory() -> tuple[str, float]:
+    """This rank's GPU: its name and memory in GB (1e9 bytes)."""
+    import torch
+
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    return props.name, props.total_memory / 1e9
+
+
 def log_gpu_memory_fit(cfg: TrainConfig, device: str, world: int) -> None:
     """log_memory_fit for this node's GPU, once a node (local rank 0); nothing on CPU."""
     if device != "gpu" or os.environ.get("LOCAL_RANK", "0") != "0":
         return
-    import torch
+    log_memory_fit(cfg, world, *gpu_memory())
 
-    props = torch.cuda.get_device_properties(torch.cuda.current_device())
-    log_memory_fit(cfg, world, props.name, props.total_memory / 1e9)
+
+def resolve_microbatch(cfg: TrainConfig, device: str, world: int) -> TrainConfig:
+    """`cfg` with a null device_microbatch_size decided for this run's GPU (TrainConfig.with_microbatch_for),
+    said in one line."""
+    if cfg.device_microbatch_size is not None:
+        return cfg
+    name, memory_gb = gpu_memory() if device == "gpu" else ("", None)
+    resolved = cfg.with_microbatch_for(world, memory_gb)
+    micro = resolved.device_microbatch_size
+    if micro is not None:
+        found = f"fits {name}'s {memory_gb:.0f} GB" if memory_gb else "no GPU memory to fit: the rank's batch"
+        log.info("device_microbatch_size: null -> %d (%s)", micro, found)
+    return resolved
 
 
 def prepare_run(cfg: TrainConfig) -> RunContext:
     device = resolve_device(cfg)
     precision = resolve_precision(cfg, device)
     world = world_size()
-    cfg = resolve_fsdp(cfg, world)
+    cfg = resolve_microbatch(resolve_fsdp(cfg, world), device, world)
     batching = derive_batching(cfg.global_batch_size, world, cfg.device_microbatch_size)
     check_cuda_graphs(cfg, device, batching.grad_accum)
     log_gpu_memory_fit(cfg, device, world)

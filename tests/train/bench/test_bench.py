@@ -324,6 +324,10 @@ def test_config_rejects_unknown_keys_and_impossible_sizes() -> None:
         load_bench_config(
             "quick", ["trainer.host_twin=true", "trainer.as_recipe=false", "trainer.flow_batches=0"]
         )
+    null = load_bench_config("quick", ["recipe_overrides=[device_microbatch_size=null]"])
+    cpu = resolve_device_setup("cpu", "fp32", channels_last=False)
+    with pytest.raises(ConfigError, match=r"fixed device_microbatch_size .* recipe_overrides"):
+        load_recipe(null, cpu, Path("unused"), one_device=False)  # the recipe as run: as on its cluster
 
 
 def test_the_host_twin_compiles_both_runs_when_asked(tmp_path: Path) -> None:

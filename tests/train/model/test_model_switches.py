@@ -48,16 +48,21 @@ def test_fsdp_null_trains_one_rank_unwrapped_and_shards_several(
     tiny_dataset: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The SD2 recipes' fsdp: null on one rank: no FSDP wrapper and NHWC conv kernels (FSDP keeps them
-    NCHW), as fsdp=false; the run's resolved config says so. On several ranks the same config shards."""
+    NCHW), as fsdp=false; the run's resolved config says so. On several ranks the same config shards. And a
+    null device_microbatch_size on CPU (no GPU memory to fit) is the rank's batch: no accumulation."""
     from train.loop import prepare
     from train.loop.trainer import parallelism_config
 
     cfg = tiny_config(tiny_dataset, tmp_path / "save", tmp_path / "cache", "fsdp=null", "device=cpu",
-                      "channels_last=true", "max_duration=1ba")  # fmt: skip
+                      "channels_last=true", "max_duration=1ba", "device_microbatch_size=null")  # fmt: skip
     with caplog.at_level("INFO", logger="train.loop.prepare"):
         trainer = build_trainer(cfg)
     try:
         assert "fsdp: null -> false on 1 rank (one rank has nothing to shard)" in caplog.text
+        batch = cfg.global_batch_size
+        said = f"device_microbatch_size: null -> {batch} (no GPU memory to fit: the rank's batch)"
+        assert said in caplog.text
+        assert trainer.state.device_train_microbatch_size == batch
         assert trainer.state.fsdp_config is None and not trainer.state.fsdp_enabled
         kernels = [p for p in trainer.state.model.unet.parameters() if p.dim() == 4]
         assert all(p.is_contiguous(memory_format=torch.channels_last) for p in kernels)
@@ -65,6 +70,7 @@ def test_fsdp_null_trains_one_rank_unwrapped_and_shards_several(
         trainer.close()
     (resolved,) = tmp_path.glob("**/train_config.yaml")  # the run's config as it ran (train/loop/trainer.py)
     assert "\nfsdp: false\n" in resolved.read_text()
+    assert f"\ndevice_microbatch_size: {cfg.global_batch_size}\n" in resolved.read_text()
     monkeypatch.setattr(prepare, "world_size", lambda: 2)  # what prepare_run decides for two ranks
     two = prepare.prepare_run(cfg)
     assert two.cfg.fsdp is True and parallelism_config(two)["fsdp"]["state_dict_type"] == "sharded"  # type: ignore[index]
