@@ -38,6 +38,8 @@ MIN_START_S = 30
 # Seconds a test may take on one H100 with a cold compile cache; tests/test_gpu_check.py keeps this list
 # equal to the tests marked `gpu`. Cheap ones first: a slow compile cannot starve them.
 GPU_TESTS: dict[str, int] = {
+    "tests/train/loop/test_gpu.py"
+    "::test_the_sd2_recipe_on_one_gpu_is_unwrapped_with_the_microbatch_that_fits_it": 30,
     "tests/train/data/test_draws.py::test_draws_on_a_gpu_match_the_host": 40,
     "tests/train/data/test_packing.py::test_microbatches_of_a_pinned_batch_are_pinned_on_a_gpu_machine": 40,
     "tests/encode/process/test_gpu_feed.py"

@@ -152,3 +152,18 @@ def test_cuda_graph_step_matches_the_compiled_step_and_trains_in_composer(
     lines = (tmp_path / "fit" / "save" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == list(range(1, 10))
     assert all(math.isfinite(json.loads(line)["loss"]) for line in lines)
+
+
+def test_the_sd2_recipe_on_one_gpu_is_unwrapped_with_the_microbatch_that_fits_it(tmp_path: Path) -> None:
+    """fsdp: null and device_microbatch_size=null decided for this GPU as a run decides them (no training:
+    the shapes are SD2-base's): no FSDP on one rank, the largest microbatch dividing 2048 that fits here."""
+    from shared.config import load_config
+    from shared.estimate.memory import microbatch_that_fits
+    from train.config import TrainConfig
+    from train.loop.prepare import gpu_memory, resolve_fsdp, resolve_microbatch
+
+    null = [f"save_folder={tmp_path}", "device_microbatch_size=null"]
+    cfg = resolve_microbatch(resolve_fsdp(load_config(TrainConfig, "sd2-base-256", null), 1), "gpu", 1)
+    _, memory_gb = gpu_memory()
+    expected = microbatch_that_fits(memory_gb, "sd2-base", 256, 2048, 1, "DDP")
+    assert cfg.fsdp is False and cfg.device_microbatch_size == expected and expected >= 64  # 80 GB and up
