@@ -23,7 +23,6 @@ from shared.estimate.cluster import (
     PRESET_PARAMS,
     PUBLISHED_IMAGES_PER_S_PER_A100,
     SAVE_SHARE_TARGET,
-    Strategy,
     checkpoint_cost,
     host_bound_note,
     min_interval_for_share,
@@ -32,13 +31,13 @@ from shared.estimate.cluster import (
     step_seconds,
 )
 from shared.estimate.gpus import GPU_TABLE
-from shared.estimate.memory import MEASURED_AS, memory_check
 from shared.estimate.model import dataset_text_store_line
 from shared.launch.cli import GpuTypeOpt, OverridesArg, launch_command
 from shared.launch.plan import LaunchOptions, LaunchPlan, Topology, plural, program_target, rank_resources
 from shared.launch.steps import build_steps
 from shared.launch.supervisor import Supervision
 from train.config import TrainConfig, time_count
+from train.config.memory import memory_plan_line, strategy_of
 from train.data.mix import data_cost_factor, plan_lines
 from train.eval.cost import plan_line as eval_plan_line
 from train.model.compile_plan import compile_plan_line, cuda_graph_refusal
@@ -187,10 +186,6 @@ def run_shape(cfg: TrainConfig, topology: Topology, write_gb_per_s: float) -> Ru
     return RunShape(world, step_s, save_s, total_steps(cfg))
 
 
-def strategy_of(cfg: TrainConfig) -> Strategy:
-    return cfg.fsdp_sharding_strategy if cfg.fsdp else "DDP"
-
-
 def accumulation_note(cfg: TrainConfig, batching: Batching) -> str:
     """What several microbatches per step cost under FSDP (docs/gpu-tests.md, "Gradient accumulation")."""
     steps = plural(batching.grad_accum, "accumulation step")
@@ -269,44 +264,6 @@ def cluster_lines(
             f"save_interval={min_interval_for_share(ckpt.full_save_s, step_s)}ba"
         )
     return lines, notes
-
-
-def memory_plan_line(
-    cfg: TrainConfig, world_size: int, gpu_type: str, memory_gb: float | None = None
-) -> tuple[str, str]:
-    """(the plan's memory row, a warning or ""): device_microbatch_size against `gpu_type`'s memory (or
-    `memory_gb`, the GPU a run found), from the activations measured for the shipped GPU recipes
-    (shared/estimate/memory.py)."""
-    check = memory_check(
-        gpu_type,
-        cfg.model.preset,
-        cfg.data.resolution,
-        cfg.device_microbatch_size,
-        world_size,
-        strategy_of(cfg),
-        cfg.global_batch_size,
-        memory_gb,
-    )
-    if isinstance(check, str):
-        return check, ""
-    differ = [
-        what
-        for what, differs in (
-            (f"precision={cfg.precision}", cfg.precision not in ("auto", "amp_bf16")),
-            ("model.low_precision_norms=false", not cfg.model.low_precision_norms),
-            ("model.gradient_checkpointing=true", cfg.model.gradient_checkpointing),
-        )
-        if differs
-    ]
-    line = check.line()
-    if differ:
-        line += f" (activations measured as {MEASURED_AS}; this run has {', '.join(differ)})"
-    if check.fits:
-        return line, ""
-    return line, (
-        f"WARNING: device_microbatch_size={cfg.device_microbatch_size} on {gpu_type} ({check.used_gb:.1f} GB "
-        f"of {check.memory_gb:g} GB, at most {check.fit.max_images} per GPU) {check.advice()}"
-    )
 
 
 def run_samples(cfg: TrainConfig) -> int | None:

@@ -5,7 +5,8 @@ accumulation are derived at launch (`shared.batching.derive_batching`), never wr
 Composer time strings (`20ba`, `1ep`, `10000sp`, `0.5dur`) are used for every duration and interval.
 
 The package: checks.py (time strings, literals), data.py (`data`: one dataset or a mix), sections.py (model,
-optimizer, EMA, samples, eval, log, resilience), job.py (`TrainConfig`). Import from `train.config`.
+optimizer, EMA, samples, eval, log, resilience), job.py (`TrainConfig`), memory.py (the microbatch
+against a GPU's memory, the line the dry-run plan and a run's start share). Import from `train.config`.
 """
 
 from train.config.checks import (

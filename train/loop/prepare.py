@@ -19,6 +19,7 @@ from shared.runtime.device import resolve_precision as resolve_job_precision
 from shared.storage import private_temp_dir
 from train.checkpoints.files import find_latest_checkpoint, resolve_checkpoint
 from train.config import TrainConfig, time_count
+from train.config.memory import memory_plan_line  # the dry-run plan says the same line
 from train.data.loader import PinnedData, pin_version, read_dataset_manifest
 from train.data.mix import (
     PinnedStream,
@@ -184,8 +185,6 @@ def log_memory_fit(cfg: TrainConfig, world: int, gpu_name: str, memory_gb: float
     batch (the recipes' 8 per GPU on one GPU: 8 ran at 27 img/s, 128 at 583 on an H200;
     docs/performance.md); else one info line (a larger batch per GPU would change the recipe). Nothing where
     no activation bytes were measured for the preset and resolution."""
-    from train.launch import memory_plan_line  # torch-free, as the plan it shares the line with
-
     line, warning = memory_plan_line(cfg, world, gpu_name, memory_gb)
     if line.startswith("no measured activation bytes"):
         return
