@@ -37,7 +37,7 @@ from shared.launch.plan import LaunchOptions, LaunchPlan, Topology, plural, prog
 from shared.launch.steps import build_steps
 from shared.launch.supervisor import Supervision
 from train.config import TrainConfig, time_count
-from train.config.memory import memory_plan_line, strategy_of
+from train.config.memory import memory_plan_line
 from train.data.mix import data_cost_factor, plan_lines
 from train.eval.cost import plan_line as eval_plan_line
 from train.model.compile_plan import compile_plan_line, cuda_graph_refusal
@@ -206,7 +206,7 @@ def cluster_lines(
 ) -> tuple[list[str], list[str]]:
     """Per-step communication, checkpoint size and save time (formulas: shared/estimate/cluster.py)."""
     notes = []
-    strategy = strategy_of(cfg)
+    strategy = cfg.strategy(topology.world_size)
     if strategy != "DDP" and batching.grad_accum > 1:
         notes.append(accumulation_note(cfg, batching))
     params = PRESET_PARAMS.get(cfg.model.preset)

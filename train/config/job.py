@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from shared import storage
 from shared.config import ConfigError
@@ -28,6 +28,9 @@ from train.config.sections import (
     SamplesConfig,
     check_eval,
 )
+
+if TYPE_CHECKING:  # the estimate package's import is kept off the config's path
+    from shared.estimate.memory import Strategy
 
 
 @dataclass
@@ -217,6 +220,11 @@ class TrainConfig:
             return self
         return replace(self, fsdp=self.uses_fsdp(world_size))
 
+    def strategy(self, world_size: int) -> Strategy:
+        """How a run on `world_size` ranks holds its state: its FSDP sharding strategy, or DDP (also one
+        unwrapped rank)."""
+        return self.fsdp_sharding_strategy if self.uses_fsdp(world_size) else "DDP"
+
     def with_microbatch_for(self, world_size: int, memory_gb: float | None) -> TrainConfig:
         """device_microbatch_size decided (null: the largest dividing the rank's batch that fits `memory_gb`,
         the GPU's memory; the rank's batch on CPU, memory_gb None, or where nothing was measured). Call it
@@ -227,9 +235,9 @@ class TrainConfig:
 
         # (an uneven split is refused, naming the fix, where the batching is derived)
         per_rank = max(1, self.global_batch_size // world_size)
-        strategy = self.fsdp_sharding_strategy if self.uses_fsdp(world_size) else "DDP"
+        preset, resolution = self.model.preset, self.data.resolution
         fits = memory_gb and microbatch_that_fits(
-            memory_gb, self.model.preset, self.data.resolution, per_rank, world_size, strategy
+            memory_gb, preset, resolution, per_rank, world_size, self.strategy(world_size)
         )
         return replace(self, device_microbatch_size=fits or per_rank)
 

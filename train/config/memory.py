@@ -4,14 +4,8 @@ activations measured for the shipped GPU recipes (shared/estimate/memory.py)."""
 
 from __future__ import annotations
 
-from shared.estimate.memory import MEASURED_AS, Strategy, memory_check
+from shared.estimate.memory import MEASURED_AS, memory_check
 from train.config.job import TrainConfig
-
-
-def strategy_of(cfg: TrainConfig) -> Strategy:
-    """How the run holds its state: its FSDP sharding strategy, or DDP (also one unwrapped rank). `cfg`'s
-    fsdp decided (TrainConfig.for_world)."""
-    return cfg.fsdp_sharding_strategy if cfg.fsdp else "DDP"
 
 
 def memory_plan_line(
@@ -26,7 +20,7 @@ def memory_plan_line(
         cfg.data.resolution,
         cfg.device_microbatch_size,
         world_size,
-        strategy_of(cfg),
+        cfg.strategy(world_size),
         cfg.global_batch_size,
         memory_gb,
     )

@@ -214,10 +214,8 @@ def resolve_microbatch(cfg: TrainConfig, device: str, world: int) -> TrainConfig
         return cfg
     name, memory_gb = gpu_memory() if device == "gpu" else ("", None)
     resolved = cfg.with_microbatch_for(world, memory_gb)
-    micro = resolved.device_microbatch_size
-    if micro is not None:
-        found = f"fits {name}'s {memory_gb:.0f} GB" if memory_gb else "no GPU memory to fit: the rank's batch"
-        log.info("device_microbatch_size: null -> %d (%s)", micro, found)
+    found = f"fits {name}'s {memory_gb:.0f} GB" if memory_gb else "no GPU memory to fit: the rank's batch"
+    log.info("device_microbatch_size: null -> %d (%s)", resolved.device_microbatch_size, found)
     return resolved
 
 

@@ -11,9 +11,9 @@ cover fsdp on/off x channels_last on/off x checkpoint_format full/sharded:
 |---|---|---|---|---|---|
 | reference | scratch | 1 | off | off | full |
 | sharded | scratch | 2 | SHARD_GRAD_OP | on | sharded |
-| same_layout | sharded@4 | 2 | FULL_SHARD | on | sharded |
+| same_layout | sharded@4 | 2 | FULL_SHARD (fsdp=null: 2 ranks) | on | sharded |
 | nchw_full | sharded@4 | 2 | SHARD_GRAD_OP | off | full |
-| one_rank | sharded@4 | 1 | off | on | full |
+| one_rank | sharded@4 | 1 | off (fsdp=null: 1 rank, as the SD2 recipes on one GPU) | on | full |
 | from_full | reference@4 | 2 | SHARD_GRAD_OP | off | sharded |
 | from_full_cl | reference@4 | 2 | SHARD_GRAD_OP | on | full |
 | speed_switches | sharded@4 | 2 | SHARD_GRAD_OP, compiled (aot_eager), speed switches below | on | sharded |
@@ -195,10 +195,10 @@ def test_sharded_run_exports_the_uninterrupted_runs_weights(runs: Runs, tmp_path
 @pytest.mark.parametrize(
     ("name", "start", "ranks", "layout"),
     [
-        ("same_layout", "sharded", 2, ("fsdp=true", "fsdp_sharding_strategy=FULL_SHARD", "channels_last=true",
+        ("same_layout", "sharded", 2, ("fsdp=null", "fsdp_sharding_strategy=FULL_SHARD", "channels_last=true",
                                        "checkpoint_format=sharded")),
         ("nchw_full", "sharded", 2, (*FSDP, "channels_last=false", "checkpoint_format=full")),
-        ("one_rank", "sharded", 1, ("channels_last=true",)),
+        ("one_rank", "sharded", 1, ("fsdp=null", "channels_last=true")),
         ("from_full", "reference", 2, (*FSDP, "channels_last=false", "checkpoint_format=sharded")),
         ("from_full_cl", "reference", 2, (*FSDP, "channels_last=true", "checkpoint_format=full")),
         # issue 30's speed switches: low-precision norms and the U-Net compiled under per-block FSDP

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 from shared.runtime.device import DeviceSetup
-from train.bench.config import cluster_ranks
 from train.bench.step import mfu
 from train.bench.trainer.batches import bench_trainer
 from train.config import TrainConfig
@@ -48,9 +47,9 @@ def bench_as_recipe(
     flops_per_image: float,
     peak: float | None,
 ) -> dict[str, Any]:
-    """`recipe` as the train job loads it (its FSDP switch kept): images/s and MFU of its Composer batches
-    at its microbatch, and how the U-Net ran (wrapped, compiled, layout of the conv kernels)."""
-    recipe = recipe.for_world(cluster_ranks(recipe))  # fsdp as on the recipe's cluster, not this device
+    """`recipe` as the train job loads it on its cluster (fsdp decided: train/bench/config.py load_recipe):
+    images/s and MFU of its Composer batches at its microbatch, and how the U-Net ran (wrapped, compiled,
+    layout of the conv kernels)."""
     batch = recipe.device_microbatch_size
     fsdp = bool(recipe.fsdp)
     run = bench_trainer(
