@@ -4,10 +4,11 @@ from the activations shared/estimate/memory.py keeps, and that table against a f
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from shared.config import load_config
+from shared.config import ConfigError, load_config
 from shared.estimate.config import MemoryConfig
 from shared.estimate.memory import ACTIVATION_BYTES_PER_IMAGE, MEASURED_RECIPES
 from shared.launch.plan import LaunchOptions
@@ -130,3 +131,56 @@ def test_a_null_microbatch_is_the_largest_that_divides_the_ranks_batch_and_fits(
     expected = microbatch_that_fits(GPU_TABLE["H200"].memory_gb, "sd2-base", 256, 2048, 1, "DDP")
     assert plan.batching is not None and plan.batching.microbatch == expected == 256
     assert "256 per GPU uses" in plan.memory and "most of it unused" not in plan.memory
+
+
+def test_ranks_that_sized_their_microbatch_differently_are_refused_naming_the_smallest() -> None:
+    from train.loop.prepare import check_ranks_agree, rank_spans
+
+    assert rank_spans([8, 0, 1, 2, 5, 7]) == "0-2, 5, 7-8"
+    a40, a80 = "NVIDIA A100-SXM4-40GB", "NVIDIA A100-SXM4-80GB"
+    check_ranks_agree([{"gpu": a80, "device_microbatch_size": "16"}] * 16)
+    mixed = [
+        {"gpu": a40 if r < 8 else a80, "device_microbatch_size": "16" if r < 8 else "32"} for r in range(16)
+    ]
+    with pytest.raises(ConfigError) as err:
+        check_ranks_agree(mixed)
+    assert str(err.value).startswith(
+        f"device_microbatch_size=null sized the microbatch from each rank's GPU and the ranks differ: 16 on "
+        f"ranks 0-7 ({a40}); 32 on ranks 8-15 ({a80}). Set device_microbatch_size=16 (the smallest)"
+    )
+
+
+def gather_and_check(rank: int, store: str, agree: bool, errors: Any) -> None:
+    """One gloo rank of the real gather the train job makes after joining (train/loop/trainer.py)."""
+    import torch.distributed as torch_dist
+    from composer.utils import dist
+
+    from train.loop.prepare import check_ranks_agree
+
+    torch_dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        microbatch = "16" if agree or rank == 0 else "32"
+        check_ranks_agree(
+            dist.all_gather_object({"gpu": f"gpu {rank}", "device_microbatch_size": microbatch})
+        )
+    except ConfigError as err:
+        errors.put((rank, str(err)))
+    finally:
+        torch_dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("agree", [True, False])
+def test_every_rank_refuses_alike_after_one_real_gather(tmp_path: Path, agree: bool) -> None:
+    """Every rank sees every rank's decision, so all refuse with one message (or none does): no rank waits
+    in a collective for a rank that already stopped."""
+    import torch.multiprocessing as mp
+
+    errors = mp.get_context("spawn").SimpleQueue()
+    store = str(tmp_path / "pg-store")
+    mp.spawn(gather_and_check, args=(store, agree, errors), nprocs=2, join=True)
+    said = sorted(errors.get() for _ in range(2)) if not agree else []
+    assert errors.empty()
+    if not agree:
+        assert [rank for rank, _ in said] == [0, 1] and said[0][1] == said[1][1]
+        assert "16 on rank 0 (gpu 0); 32 on rank 1 (gpu 1)" in said[0][1]

@@ -219,6 +219,47 @@ def resolve_microbatch(cfg: TrainConfig, device: str, world: int) -> TrainConfig
     return resolved
 
 
+def rank_decisions(ctx: RunContext) -> dict[str, str]:
+    """What this rank decided from its own GPU, and the GPU: gathered from every rank once they have joined
+    (check_ranks_agree)."""
+    gpu = gpu_memory()[0] if ctx.device == "gpu" else "no GPU"
+    return {"gpu": gpu, "device_microbatch_size": str(ctx.cfg.device_microbatch_size)}
+
+
+def rank_spans(ranks: list[int]) -> str:
+    """[0, 1, 2, 5, 7, 8] -> "0-2, 5, 7-8"."""
+    spans: list[list[int]] = []
+    for rank in sorted(ranks):
+        if spans and rank == spans[-1][-1] + 1:
+            spans[-1].append(rank)
+        else:
+            spans.append([rank])
+    return ", ".join(str(s[0]) if len(s) == 1 else f"{s[0]}-{s[-1]}" for s in spans)
+
+
+def check_ranks_agree(decisions: list[dict[str, str]]) -> None:
+    """Refuse, on every rank alike, a run whose ranks sized their microbatch from different GPUs
+    (device_microbatch_size=null on GPUs of unequal memory): with unequal microbatches the ranks would
+    accumulate a different number of times a step, and under FSDP each microbatch's collectives would stop
+    pairing up (a hang, then a restart into the same hang)."""
+    by_value: dict[str, list[int]] = {}
+    for rank, decided in enumerate(decisions):
+        by_value.setdefault(decided["device_microbatch_size"], []).append(rank)
+    if len(by_value) < 2:
+        return
+    gpus = {value: sorted({decisions[r]["gpu"] for r in ranks}) for value, ranks in by_value.items()}
+    found = "; ".join(
+        f"{value} on rank{'s' if len(ranks) > 1 else ''} {rank_spans(ranks)} ({', '.join(gpus[value])})"
+        for value, ranks in sorted(by_value.items(), key=lambda item: int(item[0]))
+    )
+    smallest = min(int(value) for value in by_value)
+    raise ConfigError(
+        "device_microbatch_size=null sized the microbatch from each rank's GPU and the ranks differ: "
+        f"{found}. Set device_microbatch_size={smallest} (the smallest) so every rank runs the same "
+        "microbatches, or run on GPUs of one type"
+    )
+
+
 def prepare_run(cfg: TrainConfig) -> RunContext:
     device = resolve_device(cfg)
     precision = resolve_precision(cfg, device)

@@ -38,7 +38,7 @@ from train.data.mix import mix_record
 from train.data.packing import packed_data_spec
 from train.loop.compiled import CompiledGraphsLog, composer_ddp_buckets
 from train.loop.cpu_fsdp import composer_fsdp_on_cpu
-from train.loop.prepare import RunContext, prepare_run
+from train.loop.prepare import RunContext, check_ranks_agree, prepare_run, rank_decisions
 from train.model.assemble import assemble_model, build_unet  # noqa: F401  (build_unet: re-exported for callers)
 from train.model.compile_plan import use_compile
 from train.model.diffusion import DiffusionModel
@@ -294,6 +294,7 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
     from composer.utils import dist
 
     dist.initialize_dist(ctx.device)
+    check_ranks_agree(dist.all_gather_object(rank_decisions(ctx)))  # one small gather, before any step
     # A mix and/or a bucketed dataset: several Streaming streams (bucket-homogeneous batches: per_stream).
     streams, labels, method = run_streams(
         cfg.data.batching_method,
