@@ -31,6 +31,7 @@ from shared.estimate.cluster import (
     step_seconds,
 )
 from shared.estimate.gpus import GPU_TABLE
+from shared.estimate.memory import ddp_alternative
 from shared.estimate.model import dataset_text_store_line
 from shared.launch.cli import GpuTypeOpt, OverridesArg, launch_command
 from shared.launch.plan import LaunchOptions, LaunchPlan, Topology, plural, program_target, rank_resources
@@ -100,7 +101,9 @@ def plan_train(
     else:
         plan.cluster, notes = cluster_lines(cfg, topology, plan.batching, write_gb_per_s)
         plan.notes += notes
-        if rate and (host := host_bound_note(cfg.fsdp, plan.batching.microbatch, rate)):
+        micro = plan.batching.microbatch
+        ddp = ddp_alternative(gpu_type, cfg.model.preset, cfg.data.resolution, micro)
+        if rate and (host := host_bound_note(bool(cfg.fsdp), micro, rate, ddp)):
             plan.notes.append(host)
         device = "cpu" if cfg.device == "cpu" else "gpu"
         if why := cuda_graph_refusal(cfg, device, plan.batching.grad_accum):

@@ -126,9 +126,11 @@ FSDP_HOST_SECONDS_PER_STEP = 0.275
 HOST_BOUND_MARGIN = 1.1  # noted where the cap costs at least 10% (a rate measured at 8 per GPU is at it)
 
 
-def host_bound_note(fsdp: bool, microbatch: int, images_per_s_per_gpu: float) -> str:
+def host_bound_note(fsdp: bool, microbatch: int, images_per_s_per_gpu: float, ddp: str = "") -> str:
     """Where the planned images/s per GPU needs less time a microbatch than the host's work a step took under
-    per-block FSDP: the ceiling that host time puts on the rate, and what it does to the GPU-hours."""
+    per-block FSDP: the ceiling that host time puts on the rate, and what it does to the GPU-hours; `ddp`:
+    what fsdp=false would keep and cost on this GPU, where it fits (shared/estimate/memory.py
+    `ddp_alternative`)."""
     device_s = microbatch / images_per_s_per_gpu
     ceiling = microbatch / FSDP_HOST_SECONDS_PER_STEP
     if not fsdp or images_per_s_per_gpu < HOST_BOUND_MARGIN * ceiling:
@@ -139,8 +141,8 @@ def host_bound_note(fsdp: bool, microbatch: int, images_per_s_per_gpu: float) ->
         f"{FSDP_HOST_SECONDS_PER_STEP} s of host work a step took on an H200 at 8 per GPU (issue 30; "
         f"docs/performance.md): expect at most {ceiling:,.1f} img/s per GPU, "
         f"{images_per_s_per_gpu / ceiling:.1f}x the estimate's GPU-hours. More images per GPU (the memory "
-        "line: fewer GPUs), or measure yours: make bench BENCH=full, then make estimate "
-        "ARGS='throughput_from=outputs/bench/bench.json'"
+        f"line: fewer GPUs){'; or fsdp=false: ' + ddp if ddp else ''}; or measure yours: make bench "
+        "BENCH=full, then make estimate ARGS='throughput_from=outputs/bench/bench.json'"
     )
 
 

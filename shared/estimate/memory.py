@@ -225,3 +225,27 @@ def memory_check(
     return MemoryCheck(
         gpu_type, memory_gb, preset, resolution, microbatch, world_size, strategy, global_batch, fit
     )
+
+
+# A bare step of SD2's U-Net module tree (preset sd2-base-slim, eager, microbatch 8) on the 2-core CPU box,
+# make bench's trainer.host_twin: (top-level ATen ops, Python calls) with FSDP per block, and unwrapped.
+HOST_TWIN_STEP_FSDP = (11_623, 64_774)
+HOST_TWIN_STEP_UNWRAPPED = (4_942, 8_948)
+
+
+def ddp_alternative(gpu_type: str, preset: str, resolution: int, microbatch: int) -> str:
+    """For shared/estimate/cluster.py's host_bound_note, where DDP's unsharded state and this microbatch
+    fit `gpu_type`: what fsdp=false keeps on every GPU, the FSDP host work it drops, and its price (full
+    checkpoints: the job writes sharded ones only under FSDP); "" where it does not fit."""
+    check = memory_check(gpu_type, preset, resolution, microbatch, 1, "DDP")
+    if isinstance(check, str) or not check.fits:
+        return ""
+    (fsdp_ops, fsdp_calls), (ops, calls) = HOST_TWIN_STEP_FSDP, HOST_TWIN_STEP_UNWRAPPED
+    fit = f"{check.used_gb:.1f} GB of {check.memory_gb:g} with {microbatch} images"
+    counts = f"{ops:,} ATen ops and {calls:,} Python calls, against {fsdp_ops:,} and {fsdp_calls:,}"
+    return (
+        f"DDP keeps the whole {check.fit.resident_gb:.1f} GB of state on every GPU ({fit}) without FSDP's "
+        f"per-unit host work (a bare step of SD2's module tree on a CPU: {counts} per-block FSDP; not yet "
+        "timed on a GPU: the bench's no_fsdp variant), and writes full checkpoints, not sharded (the cluster "
+        "line's full-save share)"
+    )

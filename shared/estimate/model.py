@@ -21,7 +21,7 @@ from shared.estimate.gpus import (
     EstimateError,
 )
 from shared.estimate.inputs import Measured, resolve_inputs
-from shared.estimate.memory import MemoryCheck, memory_check
+from shared.estimate.memory import MemoryCheck, ddp_alternative, memory_check
 from shared.estimate.text_store import TextStoreComparison, compare_text_stores, manifest_store
 
 # ------------------------------------------------------------------------------------------- estimate
@@ -230,7 +230,8 @@ def _host_bound_notes(cfg: EstimateConfig, phases: tuple[PhaseEstimate, ...]) ->
     notes = []
     for phase in phases:
         micro = cfg.memory.microbatch.get(str(phase.resolution))
-        if micro and (note := host_bound_note(fsdp, micro, phase.images_per_s_per_gpu)):
+        ddp = micro and ddp_alternative(cfg.gpu.type, cfg.memory.preset, phase.resolution, micro)
+        if micro and (note := host_bound_note(fsdp, micro, phase.images_per_s_per_gpu, ddp or "")):
             notes.append(f"{phase.name}: {note}")
     return tuple(notes)
 

@@ -88,3 +88,19 @@ def test_host_bound_note_caps_the_rate_at_the_hosts_work_a_step() -> None:
     assert "needs 43 ms a microbatch" in note and "at most 29.1 img/s per GPU, 6.3x the estimate's" in note
     assert host_bound_note(True, 128, 184.6) == ""  # 693 ms of device work a step: the device sets the pace
     assert host_bound_note(False, 8, 184.6) == ""  # DDP: not measured
+    assert "; or fsdp=false: " not in note
+
+
+def test_host_bound_note_offers_ddp_where_its_unsharded_state_fits_the_gpu() -> None:
+    """SD2-base's 17.3 GB of unsharded state (fp32 weights, grads, AdamW, EMA) and 8 images fit a 40 GB A100
+    at either resolution; 32 images at 512 px (+30 GB of activations) do not, and then nothing is offered."""
+    from shared.estimate.memory import ddp_alternative
+
+    ddp = ddp_alternative("A100-40GB", "sd2-base", 256, 8)
+    assert ddp.startswith("DDP keeps the whole 17.3 GB of state on every GPU (19.3 GB of 40 with 8 images)")
+    assert "4,942 ATen ops and 8,948 Python calls, against 11,623 and 64,774" in ddp
+    note = host_bound_note(True, 8, 184.6, ddp)
+    assert f"(the memory line: fewer GPUs); or fsdp=false: {ddp}; or measure yours" in note
+    assert ddp_alternative("A100-40GB", "sd2-base", 512, 8).startswith("DDP keeps")
+    assert ddp_alternative("A100-40GB", "sd2-base", 512, 32) == ""
+    assert ddp_alternative("A100-40GB", "tiny", 96, 8) == ""  # no activations measured

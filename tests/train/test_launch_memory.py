@@ -166,6 +166,7 @@ def gather_and_check(rank: int, store: str, agree: bool, errors: Any) -> None:
     except ConfigError as err:
         errors.put((rank, str(err)))
     finally:
+        torch_dist.barrier()  # gloo: a rank leaving while its peer still tears down can hang the peer
         torch_dist.destroy_process_group()
 
 
