@@ -217,8 +217,8 @@ def cluster_lines(
         return [], notes
     # Under amp_bf16 / amp_fp16 FSDP gathers the params in that dtype (mixed precision param_dtype).
     param_bytes = DTYPE_BYTES["fp32"] if cfg.precision == "fp32" else DTYPE_BYTES["bf16"]
-    # DDP all-reduces the fp32 gradients of its fp32 params; FSDP reduces in fsdp_reduce_dtype.
-    reduce_dtype = "fp32" if strategy == "DDP" else cfg.fsdp_reduce_dtype
+    # DDP all-reduces its fp32 params' gradients in ddp_reduce_dtype; FSDP reduces in fsdp_reduce_dtype.
+    reduce_dtype = cfg.ddp_reduce_dtype if strategy == "DDP" else cfg.fsdp_reduce_dtype
     reduce_bytes = DTYPE_BYTES[reduce_dtype]
     comm = step_comm(
         params,
@@ -260,10 +260,12 @@ def cluster_lines(
         f"(step {step_s * 1000:.1f} ms): "
         f"full {full:.2%}, sharded {sharded:.2%} of wall time"
     )
-    if full > SAVE_SHARE_TARGET:
+    if full > SAVE_SHARE_TARGET and cfg.resolved_checkpoint_format(topology.world_size) == "full":
+        # Composer shards checkpoints only under its FSDP (TrainConfig refuses sharded without it)
+        switch = "fsdp=true" if strategy == "DDP" else "checkpoint_format=sharded"
         notes.append(
             f"full-state-dict saves every {cfg.save_interval} cost {full:.1%} of wall time: keep it under "
-            f"{SAVE_SHARE_TARGET:.0%} with sharded checkpoints ({sharded:.2%}) or "
+            f"{SAVE_SHARE_TARGET:.0%} with sharded checkpoints ({sharded:.2%}: {switch}) or "
             f"save_interval={min_interval_for_share(ckpt.full_save_s, step_s)}ba"
         )
     return lines, notes

@@ -772,6 +772,25 @@ def test_sd2_dry_run_shows_communication_checkpoint_and_save_share() -> None:
     assert "set fsdp_no_sync=true" in out
 
 
+@pytest.mark.parametrize(
+    ("overrides", "switch"),
+    [((), None), (("fsdp=false",), "fsdp=true"), (("checkpoint_format=full",), "checkpoint_format=sharded")],
+)
+def test_the_full_save_note_is_for_runs_that_save_full_and_names_the_switch(
+    tmp_path: Path, overrides: tuple[str, ...], switch: str | None
+) -> None:
+    """sd2-base-256 on 256 GPUs saves every 10000ba: full saves would cost 3.1% of wall time. The recipe
+    resolves to FSDP and sharded checkpoints, so nothing is said; DDP saves full and shards only under
+    fsdp=true; FSDP told to save full shards with checkpoint_format=sharded."""
+    save = [f"save_folder={tmp_path}", "data.uri=s3://b/d", *overrides]
+    out = summarize(plan_train("sd2-base-256", save, LaunchOptions(256, "slurm")))
+    notes = [line for line in out.splitlines() if "full-state-dict saves every 10000ba" in line]
+    if switch is None:
+        assert notes == []
+    else:
+        assert len(notes) == 1 and f"with sharded checkpoints (0.10%: {switch}) or save_interval=" in notes[0]
+
+
 # ------------------------------------------------------------- LAUNCHER=auto, refusals, node-local things
 def fake_binary(folder: Path, name: str, body: str = "exit 0") -> None:
     (folder / name).write_text(f"#!/bin/bash\n{body}\n")

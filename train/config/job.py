@@ -81,6 +81,11 @@ class TrainConfig:
     # overlapped. The dry-run plan says how many graphs a run makes; the job logs what its first batch
     # compiled. At least 1 MB: DDP's first bucket is 1 MB and dynamo refuses a later one smaller.
     ddp_bucket_cap_mb: float = allowed(25.0, ge=1)
+    # dtype DDP all-reduces gradients in (fsdp_reduce_dtype's counterpart): fp32 (exact sums, 2 x 4 bytes a
+    # parameter a step through each rank: 6.9 GB for SD2-base) or bf16 (torch's bf16_compress_hook: each
+    # bucket cast to bf16 and divided by the world size before the all-reduce, cast back after; half the
+    # bytes, sums over many ranks lose precision).
+    ddp_reduce_dtype: Literal["fp32", "bf16"] = "fp32"
     # torch.compile the U-Net (only the U-Net, in place: parameter names stay the same;
     # train/model/assemble.py). null: on for GPU runs, off on CPU (where inductor spends minutes compiling
     # C++ for no gain; logged); true / false: as asked, CPU included.

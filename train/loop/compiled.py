@@ -1,5 +1,6 @@
 """How a run's compiled U-Net is split into graphs: Composer's DDP wrap with the run's gradient bucket size
-(`ddp_bucket_cap_mb`), and the count of graphs the first batch compiled, logged.
+(`ddp_bucket_cap_mb`) and reduce dtype (`ddp_reduce_dtype`), and the count of graphs the first batch
+compiled, logged.
 
 Composer 0.32.1 wraps the model in `DistributedDataParallel(module, find_unused_parameters=...)` when it
 trains without FSDP on more than one rank (composer/distributed/dist_strategy.py `prepare_ddp_module`), at
@@ -27,9 +28,11 @@ TORCH_DEFAULT_BUCKET_MB = 25.0  # DistributedDataParallel's bucket_cap_mb when n
 
 
 @contextlib.contextmanager
-def composer_ddp_buckets(bucket_cap_mb: float) -> Iterator[None]:
-    """Around `Trainer(...)`: Composer's DDP wrap (more than one rank, no FSDP) uses `bucket_cap_mb`."""
+def composer_ddp(bucket_cap_mb: float, reduce_dtype: str = "fp32") -> Iterator[None]:
+    """Around `Trainer(...)`: Composer's DDP wrap (more than one rank, no FSDP) uses `bucket_cap_mb`, and
+    all-reduces in bf16 where `reduce_dtype` says so."""
     from composer.trainer import trainer as composer_trainer
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
     from torch.nn.parallel import DistributedDataParallel
 
     original = composer_trainer.prepare_ddp_module
@@ -41,9 +44,13 @@ def composer_ddp_buckets(bucket_cap_mb: float) -> Iterator[None]:
         # torch's own default only when not passed: then DDP keeps a 1 MB first bucket (the parameters
         # defined first, whose gradients come last), as dynamo's split does; any size passed is every bucket's
         cap = None if bucket_cap_mb == TORCH_DEFAULT_BUCKET_MB else bucket_cap_mb
-        return DistributedDataParallel(
+        ddp = DistributedDataParallel(
             module, find_unused_parameters=find_unused_parameters, bucket_cap_mb=cap
         )
+        if reduce_dtype == "bf16":
+            log.info("DDP: gradients all-reduced in bf16 (ddp_reduce_dtype): half the bytes of fp32")
+            ddp.register_comm_hook(None, bf16_compress_hook)  # None: the default process group
+        return ddp
 
     composer_trainer.prepare_ddp_module = wrap
     try:

@@ -36,7 +36,7 @@ from train.data.buckets import compile_per_bucket, run_streams, sample_buckets
 from train.data.loader import build_dataloader
 from train.data.mix import mix_record
 from train.data.packing import packed_data_spec
-from train.loop.compiled import CompiledGraphsLog, composer_ddp_buckets
+from train.loop.compiled import CompiledGraphsLog, composer_ddp
 from train.loop.cpu_fsdp import composer_fsdp_on_cpu
 from train.loop.prepare import RunContext, check_ranks_agree, prepare_run, rank_decisions
 from train.model.assemble import assemble_model, build_unet  # noqa: F401  (build_unet: re-exported for callers)
@@ -315,7 +315,7 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
     with (
         composer_loads_safely(ctx.start.load_path, checkpoint_format) as load_path,
         composer_fsdp_on_cpu(ctx.device, cfg.fsdp),
-        composer_ddp_buckets(cfg.ddp_bucket_cap_mb),
+        composer_ddp(cfg.ddp_bucket_cap_mb, cfg.ddp_reduce_dtype),
     ):
         trainer = LeanTrainer(
             model=model,

@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -58,13 +59,14 @@ def test_ddp_splits_the_compiled_unet_at_the_bucket_size_the_run_asks_for(tmp_pa
     ]
     argv = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1", "--nproc-per-node=2",
-        "-m", "train", "fit", "tiny", *overrides, "ddp_bucket_cap_mb=1",
+        "-m", "train", "fit", "tiny", *overrides, "ddp_bucket_cap_mb=1", "ddp_reduce_dtype=bf16",
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "NODE_RANK": "0"}
     done = subprocess.run(argv, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=420)
     log = done.stdout + done.stderr
     assert done.returncode == 0, log[-4000:]
     assert "DDP: gradients all-reduced in buckets of 1.0 MB (ddp_bucket_cap_mb)" in log
+    assert "DDP: gradients all-reduced in bf16 (ddp_reduce_dtype)" in log  # the hook under dynamo's split
     counts = {int(n) for n in re.findall(r"compile: the first batch compiled (\d+) graphs", log)}
     # the tiny U-Net's 3.0 MB of fp32 gradients: 2 graphs at torch's 25 MB, one per 1 MB bucket here (a
     # bucket takes whole parameters, so the plan's count is "about": 3 counted, 4 planned)
@@ -72,3 +74,68 @@ def test_ddp_splits_the_compiled_unet_at_the_bucket_size_the_run_asks_for(tmp_pa
     gradient_bytes = PRESET_PARAMS["tiny"] * 4
     assert graphs > ddp_graphs(gradient_bytes, 25) == 2
     assert abs(graphs - ddp_graphs(gradient_bytes, 1)) <= 1
+
+
+def ddp_rank(rank: int, store: str, reduce_dtype: str, out: Any) -> None:
+    """One gloo rank: Composer's own DDP wrap, as the train job patches it, then one backward whose inputs
+    differ by rank; what the all-reduce left in the gradients, and what passed through torch.distributed."""
+    import torch
+    import torch.distributed as torch_dist
+    from composer.trainer import trainer as composer_trainer
+
+    from train.loop.comm_counter import count_collectives
+    from train.loop.compiled import composer_ddp
+
+    torch_dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        torch.manual_seed(0)
+        net = torch.nn.Linear(64, 64)
+        local = torch.nn.Linear(64, 64)
+        local.load_state_dict(net.state_dict())
+        with composer_ddp(25.0, reduce_dtype):
+            ddp = composer_trainer.prepare_ddp_module(net, False)
+        inputs = [torch.randn(4, 64, generator=torch.Generator().manual_seed(r)) for r in range(2)]
+        with count_collectives() as count:
+            ddp(inputs[rank]).square().sum().backward()
+        for x in inputs:  # the mean of both ranks' gradients, unreduced
+            (local(x).square().sum() / 2).backward()
+        error = max(
+            float((p.grad - q.grad).abs().max() / q.grad.abs().max())
+            for p, q in zip(net.parameters(), local.parameters(), strict=True)
+        )
+        params = sum(p.numel() for p in net.parameters())
+        out.put((rank, count.calls.get("all_reduce", 0), count.bytes / params, error))
+        torch_dist.barrier()
+    finally:
+        torch_dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_ddp_reduce_dtype_bf16_all_reduces_half_the_bytes_into_the_same_gradients(tmp_path: Path) -> None:
+    """ddp_reduce_dtype=bf16: Composer's DDP wrap gets torch's bf16_compress_hook, whose all-reduce passes
+    through torch.distributed with 2 bytes a parameter (fp32's reducer all-reduces in C++, unseen by the
+    counter), and leaves the mean gradient to bf16's precision; fp32 leaves it to float rounding."""
+    import torch.multiprocessing as mp
+
+    results = {}
+    for dtype in ("fp32", "bf16"):
+        out = mp.get_context("spawn").SimpleQueue()
+        mp.spawn(ddp_rank, args=(str(tmp_path / f"store-{dtype}"), dtype, out), nprocs=2, join=True)
+        results[dtype] = sorted(out.get() for _ in range(2))
+    for rank, calls, bytes_per_param, error in results["fp32"]:
+        assert (calls, bytes_per_param) == (0, 0.0) and error < 1e-6, (rank, error)
+    for rank, calls, bytes_per_param, error in results["bf16"]:
+        assert (calls, bytes_per_param) == (1, 2.0) and 1e-6 < error < 1e-2, (rank, error)
+
+
+def test_ddp_reduce_dtype_takes_fp32_or_bf16_and_the_plan_prices_it(tmp_path: Path) -> None:
+    from shared.launch.plan import LaunchOptions
+    from shared.launch.report import summarize
+    from train.launch import plan_train
+
+    with pytest.raises(ConfigError, match="ddp_reduce_dtype"):
+        load_config(TrainConfig, "sd2-base-256", ["ddp_reduce_dtype=fp16"], kind="train")
+    save = [f"save_folder={tmp_path}", "data.uri=s3://b/d", "fsdp=false"]
+    for dtype, line in [("fp32", "6.900 GB"), ("bf16", "3.450 GB")]:
+        plan = plan_train("sd2-base-256", [*save, f"ddp_reduce_dtype={dtype}"], LaunchOptions(256, "slurm"))
+        assert f"(DDP, 1 microbatch): 1 all-reduce of {dtype} grads {line}" in summarize(plan)
