@@ -44,8 +44,15 @@ def composer_ddp(bucket_cap_mb: float, reduce_dtype: str = "fp32") -> Iterator[N
         # torch's own default only when not passed: then DDP keeps a 1 MB first bucket (the parameters
         # defined first, whose gradients come last), as dynamo's split does; any size passed is every bucket's
         cap = None if bucket_cap_mb == TORCH_DEFAULT_BUCKET_MB else bucket_cap_mb
+        # Gradients as views into the all-reduce buckets: no copy of each gradient into its bucket every
+        # step (686 copy kernels for SD2's U-Net; counted on 2 gloo ranks, a bare step of its module tree
+        # dispatched 6,845 top-level ATen ops with copies, 6,159 without, 4,787 without DDP), and no second
+        # fp32 copy of the gradients in memory (3.46 GB for SD2-base), which the memory plan never counted.
         ddp = DistributedDataParallel(
-            module, find_unused_parameters=find_unused_parameters, bucket_cap_mb=cap
+            module,
+            find_unused_parameters=find_unused_parameters,
+            bucket_cap_mb=cap,
+            gradient_as_bucket_view=True,
         )
         if reduce_dtype == "bf16":
             log.info("DDP: gradients all-reduced in bf16 (ddp_reduce_dtype): half the bytes of fp32")

@@ -104,6 +104,9 @@ def ddp_rank(rank: int, store: str, reduce_dtype: str, out: Any) -> None:
             for p, q in zip(net.parameters(), local.parameters(), strict=True)
         )
         params = sum(p.numel() for p in net.parameters())
+        # the gradients are views into DDP's bucket (one bucket here): no copy into it, no second copy
+        storages = {p.grad.untyped_storage().data_ptr() for p in net.parameters()}
+        assert ddp.gradient_as_bucket_view and len(storages) == 1, storages
         out.put((rank, count.calls.get("all_reduce", 0), count.bytes / params, error))
         torch_dist.barrier()
     finally:
