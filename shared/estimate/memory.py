@@ -231,6 +231,10 @@ def memory_check(
 # make bench's trainer.host_twin: (top-level ATen ops, Python calls) with FSDP per block, and unwrapped.
 HOST_TWIN_STEP_FSDP = (11_623, 64_774)
 HOST_TWIN_STEP_UNWRAPPED = (4_942, 8_948)
+# What DDP adds to that step, counted on 2 gloo ranks (tests/train/loop/test_compiled.py): 2 ATen ops per
+# gradient tensor, its view into a bucket (train/loop/compiled.py) and a scaling by 1/world, a kernel each
+# of SD2's U-Net's 686.
+SD2_GRADIENT_TENSORS = 686
 
 
 def ddp_alternative(gpu_type: str, preset: str, resolution: int, microbatch: int) -> str:
@@ -242,10 +246,11 @@ def ddp_alternative(gpu_type: str, preset: str, resolution: int, microbatch: int
         return ""
     (fsdp_ops, fsdp_calls), (ops, calls) = HOST_TWIN_STEP_FSDP, HOST_TWIN_STEP_UNWRAPPED
     fit = f"{check.used_gb:.1f} GB of {check.memory_gb:g} with {microbatch} images"
-    counts = f"{ops:,} ATen ops and {calls:,} Python calls, against {fsdp_ops:,} and {fsdp_calls:,}"
+    counts = f"{ops:,} ATen ops and {calls:,} Python calls unwrapped, {fsdp_ops:,} and {fsdp_calls:,}"
     return (
         f"DDP keeps the whole {check.fit.resident_gb:.1f} GB of state on every GPU ({fit}) without FSDP's "
-        f"per-unit host work (a bare step of SD2's module tree on a CPU: {counts} per-block FSDP; not yet "
-        "timed on a GPU: the bench's no_fsdp variant), and writes full checkpoints, not sharded (the cluster "
-        "line's full-save share)"
+        f"per-unit host work (a bare step of SD2's module tree on a CPU: {counts} under per-block FSDP; "
+        f"DDP adds 2 ops a gradient, its bucket view and a 1/world scaling: {SD2_GRADIENT_TENSORS} kernels; "
+        "not yet timed on a GPU: the bench's no_fsdp variant), and writes full checkpoints, not sharded "
+        "(the cluster line's full-save share)"
     )

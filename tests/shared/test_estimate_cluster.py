@@ -98,7 +98,8 @@ def test_host_bound_note_offers_ddp_where_its_unsharded_state_fits_the_gpu() -> 
 
     ddp = ddp_alternative("A100-40GB", "sd2-base", 256, 8)
     assert ddp.startswith("DDP keeps the whole 17.3 GB of state on every GPU (19.3 GB of 40 with 8 images)")
-    assert "4,942 ATen ops and 8,948 Python calls, against 11,623 and 64,774" in ddp
+    assert "4,942 ATen ops and 8,948 Python calls unwrapped, 11,623 and 64,774 under per-block FSDP" in ddp
+    assert "DDP adds 2 ops a gradient, its bucket view and a 1/world scaling: 686 kernels" in ddp
     note = host_bound_note(True, 8, 184.6, ddp)
     assert f"(the memory line: fewer GPUs); or fsdp=false: {ddp}; or measure yours" in note
     assert ddp_alternative("A100-40GB", "sd2-base", 512, 8).startswith("DDP keeps")

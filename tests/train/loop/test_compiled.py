@@ -19,6 +19,7 @@ from tests.train.conftest import REPO_ROOT, tiny_overrides, write_fake_dataset
 from train.config import TrainConfig
 from train.model.compile_plan import MB, compile_plan_line, ddp_graphs
 
+LAYERS = 12  # linear layers of the 2-rank DDP test: 24 parameter tensors, one bucket
 SLIM_SD2_BYTES = 32.52 * MB  # SD2-base's module tree at a tenth of its widths, fp32 (preset sd2-base-slim)
 
 
@@ -76,9 +77,23 @@ def test_ddp_splits_the_compiled_unet_at_the_bucket_size_the_run_asks_for(tmp_pa
     assert abs(graphs - ddp_graphs(gradient_bytes, 1)) <= 1
 
 
+def backward_ops(model: Any, x: Any) -> int:
+    """Top-level ATen ops of one forward and backward, as the profiler records them (DDP's reducer
+    included: it runs inside autograd's hooks)."""
+    import torch
+
+    from train.bench.anatomy.profile import is_top_level_aten
+
+    model.zero_grad(set_to_none=True)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        model(x).square().sum().backward()
+    return sum(1 for e in prof.events() if is_top_level_aten(e))
+
+
 def ddp_rank(rank: int, store: str, reduce_dtype: str, out: Any) -> None:
     """One gloo rank: Composer's own DDP wrap, as the train job patches it, then one backward whose inputs
-    differ by rank; what the all-reduce left in the gradients, and what passed through torch.distributed."""
+    differ by rank; what the all-reduce left in the gradients, where they live, what passed through
+    torch.distributed, and the ATen ops DDP added to a later backward."""
     import torch
     import torch.distributed as torch_dist
     from composer.trainer import trainer as composer_trainer
@@ -89,12 +104,12 @@ def ddp_rank(rank: int, store: str, reduce_dtype: str, out: Any) -> None:
     torch_dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     try:
         torch.manual_seed(0)
-        net = torch.nn.Linear(64, 64)
-        local = torch.nn.Linear(64, 64)
+        net = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(LAYERS)])
+        local = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(LAYERS)])
         local.load_state_dict(net.state_dict())
         with composer_ddp(25.0, reduce_dtype):
             ddp = composer_trainer.prepare_ddp_module(net, False)
-        inputs = [torch.randn(4, 64, generator=torch.Generator().manual_seed(r)) for r in range(2)]
+        inputs = [torch.randn(4, 32, generator=torch.Generator().manual_seed(r)) for r in range(2)]
         with count_collectives() as count:
             ddp(inputs[rank]).square().sum().backward()
         for x in inputs:  # the mean of both ranks' gradients, unreduced
@@ -104,10 +119,12 @@ def ddp_rank(rank: int, store: str, reduce_dtype: str, out: Any) -> None:
             for p, q in zip(net.parameters(), local.parameters(), strict=True)
         )
         params = sum(p.numel() for p in net.parameters())
-        # the gradients are views into DDP's bucket (one bucket here): no copy into it, no second copy
+        backward_ops(ddp, inputs[rank])  # DDP rebuilds its buckets in the order of the first backward
+        added = backward_ops(ddp, inputs[rank]) - backward_ops(local, inputs[rank])
+        # the gradients are views into DDP's bucket (one bucket here), also once zero_grad set them to None
         storages = {p.grad.untyped_storage().data_ptr() for p in net.parameters()}
         assert ddp.gradient_as_bucket_view and len(storages) == 1, storages
-        out.put((rank, count.calls.get("all_reduce", 0), count.bytes / params, error))
+        out.put((rank, count.calls.get("all_reduce", 0), count.bytes / params, error, added))
         torch_dist.barrier()
     finally:
         torch_dist.destroy_process_group()
@@ -125,10 +142,14 @@ def test_ddp_reduce_dtype_bf16_all_reduces_half_the_bytes_into_the_same_gradient
         out = mp.get_context("spawn").SimpleQueue()
         mp.spawn(ddp_rank, args=(str(tmp_path / f"store-{dtype}"), dtype, out), nprocs=2, join=True)
         results[dtype] = sorted(out.get() for _ in range(2))
-    for rank, calls, bytes_per_param, error in results["fp32"]:
+    tensors = 2 * LAYERS
+    for rank, calls, bytes_per_param, error, added in results["fp32"]:
         assert (calls, bytes_per_param) == (0, 0.0) and error < 1e-6, (rank, error)
-    for rank, calls, bytes_per_param, error in results["bf16"]:
+        # per gradient: its bucket view and its 1/world scaling, no copy into the bucket (3 with copies)
+        assert added <= 2 * tensors + 4, (rank, added)
+    for rank, calls, bytes_per_param, error, added in results["bf16"]:
         assert (calls, bytes_per_param) == (1, 2.0) and 1e-6 < error < 1e-2, (rank, error)
+        assert added <= 2 * tensors + 8, (rank, added)  # the hook scales the bucket once, then copies back
 
 
 def test_ddp_reduce_dtype_takes_fp32_or_bf16_and_the_plan_prices_it(tmp_path: Path) -> None:
