@@ -3,6 +3,7 @@ from the activations shared/estimate/memory.py keeps, and that table against a f
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -157,6 +158,11 @@ def gather_and_check(rank: int, store: str, agree: bool, errors: Any) -> None:
 
     from train.loop.prepare import check_ranks_agree
 
+    # a spawned rank inherits its pytest worker's environment, where an in-process Composer run may have
+    # left WORLD_SIZE=1; Composer checks these against torch.distributed
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", NODE_RANK="0"
+    )
     torch_dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     try:
         microbatch = "16" if agree or rank == 0 else "32"

@@ -101,6 +101,11 @@ def ddp_rank(rank: int, store: str, reduce_dtype: str, out: Any) -> None:
     from train.loop.comm_counter import count_collectives
     from train.loop.compiled import composer_ddp
 
+    # a spawned rank inherits its pytest worker's environment, where an in-process Composer run may have
+    # left WORLD_SIZE=1; Composer checks these against torch.distributed
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", NODE_RANK="0"
+    )
     torch_dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     try:
         torch.manual_seed(0)
