@@ -102,17 +102,24 @@ def largest_divisor(n: int, at_most: int) -> int:
     return max((d for d in range(1, min(n, at_most) + 1) if n % d == 0), default=0)
 
 
+def measured_sizes(preset: str, resolution: int) -> tuple[float, int] | None:
+    """(activation bytes per image, parameters) of the preset at this resolution; None where no activations
+    were measured."""
+    per_image = ACTIVATION_BYTES_PER_IMAGE.get((preset, resolution))
+    params = PRESET_PARAMS.get(preset)
+    return (per_image, params) if per_image and params is not None else None
+
+
 def microbatch_that_fits(
     memory_gb: float, preset: str, resolution: int, per_rank_batch: int, world_size: int, strategy: Strategy
 ) -> int | None:
     """The largest microbatch that divides the rank's batch and fits in `memory_gb` beside the resident state
     (at least 1: a run that fits none is warned about by its memory line); None where no activation bytes were
     measured for the preset and resolution."""
-    per_image = ACTIVATION_BYTES_PER_IMAGE.get((preset, resolution))
-    params = PRESET_PARAMS.get(preset)
-    if not per_image or params is None:
+    sizes = measured_sizes(preset, resolution)
+    if sizes is None:
         return None
-    fit = batch_that_fits(memory_gb, per_image, params, world_size, strategy)
+    fit = batch_that_fits(memory_gb, *sizes, world_size, strategy)
     return largest_divisor(per_rank_batch, fit.max_images) or 1
 
 
@@ -213,15 +220,14 @@ def memory_check(
 ) -> MemoryCheck | str:
     """The check for a GPU_TABLE type, or why there is none (no measurement for this preset and size);
     `memory_gb`: the memory of the GPU a run found (`gpu_type` then only names it)."""
-    per_image = ACTIVATION_BYTES_PER_IMAGE.get((preset, resolution))
-    params = PRESET_PARAMS.get(preset)
+    sizes = measured_sizes(preset, resolution)
     memory_gb = memory_gb or GPU_TABLE[gpu_type].memory_gb
-    if not per_image or params is None or not memory_gb:
+    if sizes is None or not memory_gb:
         return (
             f"no measured activation bytes for {preset} at {resolution} px on {gpu_type} "
             f"(`{REMEASURE}` measures the shipped recipes; shared/estimate/memory.py keeps them)"
         )
-    fit = batch_that_fits(memory_gb, per_image, params, world_size, strategy)
+    fit = batch_that_fits(memory_gb, *sizes, world_size, strategy)
     return MemoryCheck(
         gpu_type, memory_gb, preset, resolution, microbatch, world_size, strategy, global_batch, fit
     )

@@ -230,8 +230,10 @@ def _host_bound_notes(cfg: EstimateConfig, phases: tuple[PhaseEstimate, ...]) ->
     notes = []
     for phase in phases:
         micro = cfg.memory.microbatch.get(str(phase.resolution))
-        ddp = micro and ddp_alternative(cfg.gpu.type, cfg.memory.preset, phase.resolution, micro)
-        if micro and (note := host_bound_note(fsdp, micro, phase.images_per_s_per_gpu, ddp or "")):
+        if not micro:
+            continue
+        ddp = ddp_alternative(cfg.gpu.type, cfg.memory.preset, phase.resolution, micro)
+        if note := host_bound_note(fsdp, micro, phase.images_per_s_per_gpu, ddp):
             notes.append(f"{phase.name}: {note}")
     return tuple(notes)
 

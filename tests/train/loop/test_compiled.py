@@ -78,16 +78,12 @@ def test_ddp_splits_the_compiled_unet_at_the_bucket_size_the_run_asks_for(tmp_pa
 
 
 def backward_ops(model: Any, x: Any) -> int:
-    """Top-level ATen ops of one forward and backward, as the profiler records them (DDP's reducer
-    included: it runs inside autograd's hooks)."""
-    import torch
-
-    from train.bench.anatomy.profile import is_top_level_aten
+    """Top-level ATen ops of one forward and backward (DDP's reducer included: it runs inside autograd's
+    hooks)."""
+    from tests.train.loop.test_clipping import top_level_aten_ops
 
     model.zero_grad(set_to_none=True)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        model(x).square().sum().backward()
-    return sum(1 for e in prof.events() if is_top_level_aten(e))
+    return top_level_aten_ops(lambda: model(x).square().sum().backward())
 
 
 def ddp_rank(rank: int, store: str, reduce_dtype: str, out: Any) -> None:
