@@ -126,9 +126,13 @@ def ddp_rank(rank: int, store: str, reduce_dtype: str, out: Any) -> None:
         storages = {p.grad.untyped_storage().data_ptr() for p in net.parameters()}
         assert ddp.gradient_as_bucket_view and len(storages) == 1, storages
         out.put((rank, count.calls.get("all_reduce", 0), count.bytes / params, error, added))
-        torch_dist.barrier()
-    finally:
+    except BaseException:
         torch_dist.destroy_process_group()
+        raise
+    torch_dist.barrier()
+    os._exit(
+        0
+    )  # done with the group: leave without gloo's teardown, which can hang a rank (test_launch_memory)
 
 
 @pytest.mark.timeout(120)
