@@ -130,9 +130,8 @@ def ddp_rank(rank: int, store: str, reduce_dtype: str, out: Any) -> None:
         torch_dist.destroy_process_group()
         raise
     torch_dist.barrier()
-    os._exit(
-        0
-    )  # done with the group: leave without gloo's teardown, which can hang a rank (test_launch_memory)
+    # done with the group: leave without gloo's teardown, which can hang a rank (test_launch_memory.py)
+    os._exit(0)
 
 
 @pytest.mark.timeout(120)
