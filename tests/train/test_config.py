@@ -133,6 +133,31 @@ def test_cpu_machine_resolves_auto_to_cpu_fp32() -> None:
     assert resolve_precision(cpu, resolve_device(cpu)) == "fp32"
 
 
+def test_device_auto_on_a_node_without_gpus_in_a_job_of_several_nodes_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One node of a GPU job whose GPUs are not seen would join with gloo where its peers use NCCL; a CPU
+    job on several nodes says device=cpu. One node of CPU ranks keeps device=auto."""
+    import torch
+
+    from train.loop.prepare import resolve_device
+
+    if torch.cuda.is_available():
+        pytest.skip("checks a node without GPUs")
+    auto = load_config(TrainConfig, "tiny", ["fsdp=false", "device=auto"], kind="train")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert resolve_device(auto) == "cpu"  # one node
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(
+        ConfigError, match=r"device=auto but this node \(.+\) sees no GPU, in a job of 2 nodes"
+    ):
+        resolve_device(auto)
+    assert (
+        resolve_device(load_config(TrainConfig, "tiny", ["fsdp=false", "device=cpu"], kind="train")) == "cpu"
+    )
+
+
 def test_fsdp_null_shards_on_a_cluster_and_leaves_one_rank_unwrapped(tmp_path: Path) -> None:
     """fsdp: null (the SD2 recipes): FSDP when the run has more than one rank; one rank has nothing to shard,
     so it trains unwrapped (its U-Net one compiled graph). The dry-run plan decides it as the job does."""

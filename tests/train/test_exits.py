@@ -155,6 +155,23 @@ def test_a_wrong_value_on_the_real_cli_is_one_line_before_any_work(tmp_path) -> 
     assert debug.returncode != 0 and "Traceback" in debug.stderr + debug.stdout
 
 
+def test_a_node_without_gpus_in_a_job_of_several_nodes_says_so_before_joining(tmp_path) -> None:
+    """device=auto on a node whose GPUs are not seen, in a job of 2 nodes: its ranks would pick gloo while
+    the other node's picked NCCL, and the process group would never form. One line, exit 2, before any
+    join (MASTER_PORT leads nowhere); device=cpu is how a CPU job on several nodes says it means it."""
+    argv = [sys.executable, "-m", "train", "fit", "tiny", "fsdp=false", f"save_folder={tmp_path}"]
+    env = {
+        **os.environ, DEBUG_ENV: "0", "CUDA_VISIBLE_DEVICES": "", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2",
+        "RANK": "3", "LOCAL_RANK": "1", "NODE_RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "9",
+    }  # fmt: skip
+    run = subprocess.run(argv, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2, run.stderr[-3000:]
+    (line,) = run.stderr.strip().splitlines()
+    assert f"device=auto but this node ({socket.gethostname()}) sees no GPU, in a job of 2 nodes" in line
+    assert line.endswith("or pass device=cpu for a CPU job on several nodes")
+    assert not any(tmp_path.iterdir())
+
+
 def test_the_supervisor_runs_torchrun_without_its_traceback_box() -> None:
     """torchrun prints a ChildFailedError traceback whenever a rank exits non-zero, also 75 after a clean
     save; the supervisor runs it through shared/runtime/exits.py (what it then prints: the SIGTERM test of

@@ -118,7 +118,7 @@ def test_two_local_nodes_train_checkpoint_and_resume_after_being_stopped(
     dataset: str, tmp_path: Path
 ) -> None:
     save, port = tmp_path / "save", free_port()
-    settings = ["max_duration=12ba", "save_interval=4ba", *FAST]
+    settings = ["max_duration=12ba", "save_interval=4ba", "device=cpu", *FAST]  # a CPU job on 2 nodes says so
     second_host = own_host_wrapper()
 
     def start_nodes() -> list[tuple[subprocess.Popen, Path]]:

@@ -44,8 +44,8 @@ MAX_BATCHES = 16  # 8 batches of 8 an epoch on the 64-row tiny dataset: two epoc
 COLLECTIVE_TIMEOUT_S = 120
 HANG_TIMEOUT_S = 30  # a tiny step and its save take seconds on a loaded box (uploads run in the background)
 SETTINGS = [
-    "global_batch_size=8", "device_microbatch_size=2", "samples.enabled=false", "save_interval=4ba",
-    "ema.smoothing=0.9", f"max_duration={MAX_BATCHES}ba", "resilience.max_restarts=10",
+    "device=cpu", "global_batch_size=8", "device_microbatch_size=2", "samples.enabled=false",
+    "save_interval=4ba", "ema.smoothing=0.9", f"max_duration={MAX_BATCHES}ba", "resilience.max_restarts=10",
     f"resilience.hang_timeout_s={HANG_TIMEOUT_S}", f"resilience.collective_timeout_s={COLLECTIVE_TIMEOUT_S}",
 ]  # fmt: skip
 WEIGHT_ATOL = 1e-6
