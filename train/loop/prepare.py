@@ -68,11 +68,11 @@ def resolve_device(cfg: TrainConfig) -> str:
             f"fsdp={'null' if cfg.fsdp is None else 'true'} needs GPUs and none is visible; pass fsdp=false "
             "for a CPU run, or device=cpu to run FSDP on CPU ranks over gloo (docs/gpu-path.md)"
         )
-    if device == "cpu" and cfg.device == "auto" and nodes_in_job() > 1:
+    if device == "cpu" and cfg.device == "auto" and (nodes := nodes_in_job()) > 1:
         # One node without visible GPUs in a GPU job would pick gloo while its peers pick NCCL: the process
         # group never forms (a hang until the join timeout, then a restart into the same hang).
         raise ConfigError(
-            f"device=auto but this node ({socket.gethostname()}) sees no GPU, in a job of {nodes_in_job()} "
+            f"device=auto but this node ({socket.gethostname()}) sees no GPU, in a job of {nodes} "
             "nodes: check its GPUs and drivers (nvidia-smi), or pass device=cpu for a CPU job on several "
             "nodes"
         )
@@ -82,9 +82,11 @@ def resolve_device(cfg: TrainConfig) -> str:
 
 
 def nodes_in_job() -> int:
-    """Nodes of this job, from the launcher's environment (torchrun's WORLD_SIZE / LOCAL_WORLD_SIZE)."""
-    world, local = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    return max(1, world // max(1, local))
+    """Nodes of this job, from the launcher's environment (Composer reads torchrun's WORLD_SIZE and
+    LOCAL_WORLD_SIZE; no process group needed)."""
+    from composer.utils import dist
+
+    return max(1, dist.get_world_size() // dist.get_local_world_size())
 
 
 def resolve_precision(cfg: TrainConfig, device: str) -> str:
