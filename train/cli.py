@@ -203,6 +203,7 @@ def eval_images(
     num_reference: int = typer.Option(0, help="reference images to use, in order (0: all)"),
     cache_dir: str = typer.Option("", help="reference feature cache (default: a private temp folder)"),
     size: str = typer.Option("", help="HxW px to generate at, e.g. a bucket trained on (default: square)"),
+    device: str = typer.Option("auto", help="auto (each rank's GPU if visible), cpu or gpu"),
 ) -> None:
     """FID, KID and CLIP score over guidance scales (run under torchrun to split the prompts over GPUs)."""
     from shared.config import ConfigError
@@ -217,7 +218,7 @@ def eval_images(
         ) from err
     spec = ImageEvalSpec(
         model, prompts_from, reference, inception_weights, clip_model, out, num_images, scales, steps,
-        seed, batch_size, num_reference, cache_dir, size,
+        seed, batch_size, num_reference, cache_dir, size, device,
     )  # fmt: skip
     report = run_eval_images(spec)
     if report is not None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import platform
+import socket
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +37,27 @@ def resolve_device_kind(requested: str) -> str:
     if requested == "gpu" and not has_gpu:
         raise DeviceError("device=gpu but no CUDA device is visible; use device=auto or device=cpu")
     return "gpu" if has_gpu and requested != "cpu" else "cpu"
+
+
+def nodes_in_launch(env: dict[str, str] | None = None) -> int:
+    """Nodes of this job, from the launcher's environment (torchrun's WORLD_SIZE over LOCAL_WORLD_SIZE; 1
+    without a launcher). No process group needed: it is read before joining one."""
+    env = dict(os.environ) if env is None else env
+    world, local = int(env.get("WORLD_SIZE", "1")), int(env.get("LOCAL_WORLD_SIZE", "1"))
+    return max(1, world // max(1, local))
+
+
+def check_node_sees_gpu(requested: str, kind: str, nodes: int, flag: str = "device=") -> None:
+    """Refuse `auto` resolved to the CPU on one node of a job of several: its peers found their GPUs, most
+    likely, and this node's driver is broken. A train job would pick gloo there while its peers picked NCCL
+    (the process group never forms: a hang until the join timeout, then a restart into the same hang); an
+    eval would generate on CPU while every other rank waits for it. `cpu_setting` is how the job asks for
+    the CPU on purpose: `flag` is the job's spelling of its device setting (`device=`, `--device `)."""
+    if kind == "cpu" and requested == "auto" and nodes > 1:
+        raise DeviceError(
+            f"{flag}auto but this node ({socket.gethostname()}) sees no GPU, in a job of {nodes} nodes: "
+            f"check its GPUs and drivers (nvidia-smi), or pass {flag}cpu for a CPU job on several nodes"
+        )
 
 
 def resolve_precision(requested: str, kind: str) -> str:

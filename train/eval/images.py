@@ -22,6 +22,7 @@ import torch
 from shared import storage
 from shared.buckets import parse_bucket
 from shared.config import ConfigError
+from shared.runtime.device import check_node_sees_gpu, local_cuda_device, nodes_in_launch, resolve_device_kind
 from train.eval.report import guidance_name, score_and_report
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,7 @@ class ImageEvalSpec:
     num_reference: int = 0  # reference images used (0: all)
     cache_dir: str = ""  # reference feature cache; "": <tmp>/sd-pretrain-fid-<uid>
     size: str = ""  # "HxW" px to generate at (a bucket trained on); "": the pipeline's own (square) size
+    device: str = "auto"  # auto (this rank's GPU if one is visible) | cpu | gpu
 
     def __post_init__(self) -> None:
         if self.num_images < 2:
@@ -55,6 +57,8 @@ class ImageEvalSpec:
             raise ConfigError(f"--guidance must list scales >= 1 (e.g. 1.5,4,8), got {self.guidance}")
         if self.steps < 1 or self.batch_size < 1:
             raise ConfigError("--steps and --batch-size must be >= 1")
+        if self.device not in ("auto", "cpu", "gpu"):
+            raise ConfigError(f"--device must be auto, cpu or gpu, got {self.device!r}")
         if self.size:
             try:
                 height, width = parse_bucket(self.size)
@@ -136,14 +140,18 @@ def rank_and_world() -> tuple[int, int]:
     import torch.distributed as tdist
 
     if not tdist.is_initialized():
-        tdist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        # gloo on every rank, GPU or not: the group carries one barrier (the scores wait for every rank's
+        # images), so no rank's choice of backend can differ from its peers'.
+        tdist.init_process_group("gloo")
     return tdist.get_rank(), world
 
 
-def device_for_rank() -> str:
-    if not torch.cuda.is_available():
-        return "cpu"
-    return f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+def device_for_rank(requested: str) -> str:
+    """This rank's GPU (LOCAL_RANK), or the CPU with --device cpu or where none is visible; `auto` on a node
+    without GPUs in a job of several is refused before the join (every other rank would wait for its CPU)."""
+    kind = resolve_device_kind(requested)
+    check_node_sees_gpu(requested, kind, nodes_in_launch(), flag="--device ")
+    return str(local_cuda_device()) if kind == "gpu" else "cpu"
 
 
 def check_inputs(spec: ImageEvalSpec) -> None:
@@ -166,9 +174,9 @@ def check_inputs(spec: ImageEvalSpec) -> None:
 
 def run_eval_images(spec: ImageEvalSpec) -> dict[str, Any] | None:
     """Generate, then (rank 0) score; returns metrics.json's content on rank 0, None on the others."""
+    device = device_for_rank(spec.device)  # before joining the other ranks
     check_inputs(spec)  # before hours of generation, not after
     rank, world = rank_and_world()
-    device = device_for_rank()
     prompts = load_prompts(spec.prompts_from, spec.num_images)
     pipe = load_pipeline(spec.model, device)
     mine = list(range(rank, spec.num_images, world))

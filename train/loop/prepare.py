@@ -7,7 +7,6 @@ from __future__ import annotations
 import logging
 import os
 import re
-import socket
 from dataclasses import dataclass, field
 
 from shared.batching import Batching, derive_batching
@@ -15,7 +14,7 @@ from shared.config import ConfigError
 from shared.contract import ContractError, Expectation, check_compatible
 from shared.manifest import DatasetManifest
 from shared.presets import get_preset
-from shared.runtime.device import resolve_device_kind
+from shared.runtime.device import check_node_sees_gpu, nodes_in_launch, resolve_device_kind
 from shared.runtime.device import resolve_precision as resolve_job_precision
 from shared.storage import private_temp_dir
 from train.checkpoints.files import find_latest_checkpoint, resolve_checkpoint
@@ -68,25 +67,10 @@ def resolve_device(cfg: TrainConfig) -> str:
             f"fsdp={'null' if cfg.fsdp is None else 'true'} needs GPUs and none is visible; pass fsdp=false "
             "for a CPU run, or device=cpu to run FSDP on CPU ranks over gloo (docs/gpu-path.md)"
         )
-    if device == "cpu" and cfg.device == "auto" and (nodes := nodes_in_job()) > 1:
-        # One node without visible GPUs in a GPU job would pick gloo while its peers pick NCCL: the process
-        # group never forms (a hang until the join timeout, then a restart into the same hang).
-        raise ConfigError(
-            f"device=auto but this node ({socket.gethostname()}) sees no GPU, in a job of {nodes} "
-            "nodes: check its GPUs and drivers (nvidia-smi), or pass device=cpu for a CPU job on several "
-            "nodes"
-        )
+    check_node_sees_gpu(cfg.device, device, nodes_in_launch())
     if device == "cpu" and cfg.fsdp:  # asked for: the sharded path on CPU ranks (train/loop/cpu_fsdp.py)
         log.info("fsdp=true on CPU: FSDP over gloo, as the tests run it; GPU runs shard the same way")
     return device
-
-
-def nodes_in_job() -> int:
-    """Nodes of this job, from the launcher's environment (Composer reads torchrun's WORLD_SIZE and
-    LOCAL_WORLD_SIZE; no process group needed)."""
-    from composer.utils import dist
-
-    return max(1, dist.get_world_size() // dist.get_local_world_size())
 
 
 def resolve_precision(cfg: TrainConfig, device: str) -> str:

@@ -5,12 +5,15 @@ seed regenerates the same images."""
 from __future__ import annotations
 
 import json
+import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from shared.runtime.exits import DEBUG_ENV
 from tests.train.conftest import REPO_ROOT
 from train.eval.images import ImageEvalSpec, generate, load_pipeline, load_prompts, run_eval_images
 
@@ -81,8 +84,6 @@ def pixel_diff(a: Path, b: Path) -> int:
 
 
 def _env(extra: dict[str, str]) -> dict[str, str]:
-    import os
-
     return {**os.environ, **extra}
 
 
@@ -91,6 +92,8 @@ def test_eval_images_refuses_bad_input(tmp_path: Path) -> None:
         ImageEvalSpec("m", "p", "r", "i", "c", "o", num_images=1)
     with pytest.raises(ValueError, match="guidance"):
         ImageEvalSpec("m", "p", "r", "i", "c", "o", guidance=[0.5])
+    with pytest.raises(ValueError, match="--device must be auto, cpu or gpu"):
+        ImageEvalSpec("m", "p", "r", "i", "c", "o", device="cuda:0")
     with pytest.raises(ValueError, match="export"):
         load_pipeline(str(tmp_path), "cpu")
     bad = ImageEvalSpec("m", "p", str(tmp_path), str(tmp_path / "none.pth"), str(tmp_path), "o")
@@ -134,3 +137,24 @@ def test_two_ranks_split_the_prompts(
         assert (out / "images/2" / f"{i}.png").read_bytes() == (
             tmp_path / "one/images/2" / f"{i}.png"
         ).read_bytes()
+
+
+def test_a_node_without_gpus_in_a_job_of_several_nodes_says_so_before_joining(tmp_path: Path) -> None:
+    """Rank 3 of 2 nodes with no GPU visible: one line naming the node and both fixes, exit 2, before it
+    joins (MASTER_PORT leads nowhere) or generates anything. Every rank joins with gloo (the group carries
+    one barrier), so no node's backend can differ from its peers'."""
+    argv = [
+        sys.executable, "-m", "train", "eval-images", str(tmp_path / "model"), "--prompts-from", "p.txt",
+        "--reference", "ref", "--inception-weights", "w.pth", "--clip-model", "clip",
+        "--out", str(tmp_path / "out"),
+    ]  # fmt: skip
+    env = _env({
+        DEBUG_ENV: "0", "CUDA_VISIBLE_DEVICES": "", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2",
+        "RANK": "3", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "9",
+    })  # fmt: skip
+    done = subprocess.run(argv, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-3000:]
+    (line,) = [each for each in done.stderr.strip().splitlines() if " INFO " not in each]
+    assert f"--device auto but this node ({socket.gethostname()}) sees no GPU, in a job of 2 nodes" in line
+    assert line.endswith("or pass --device cpu for a CPU job on several nodes")
+    assert not any(tmp_path.iterdir())
