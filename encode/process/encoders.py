@@ -32,7 +32,7 @@ from shared.encoders import TOKENS, EncoderIdentity
 from shared.models import TextEncoder, build_text_encoder, build_vae, weights_fingerprint
 from shared.norms import use_low_precision_norms
 from shared.presets import Preset, get_preset
-from shared.runtime.device import autocast, pick_torch_device
+from shared.runtime.device import autocast, check_node_sees_gpu, nodes_in_launch, pick_torch_device
 
 log = logging.getLogger("encode")
 
@@ -226,6 +226,10 @@ class Encoders:
 def load_encoders(cfg: EncodeConfig) -> Encoders:
     preset = get_preset(cfg.preset)
     device = pick_torch_device(cfg.encoder.device)
+    # A node of a job on several whose GPUs are not seen would encode its share on the CPU, for days, while
+    # every other rank waits for it at the end: refused before the models load, naming both fixes.
+    kind = "gpu" if device.type == "cuda" else "cpu"
+    check_node_sees_gpu(cfg.encoder.device, kind, nodes_in_launch(), flag="encoder.device=")
     vae = build_vae(preset, cfg.encoder.pretrained)
     text = build_text_encoder(
         preset, cfg.encoder.text_backend, cfg.encoder.pretrained, cfg.encoder.open_clip_checkpoint

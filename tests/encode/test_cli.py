@@ -15,6 +15,7 @@ import pytest
 from encode.process.encoders import load_encoders
 from encode.sample_data import build_webdataset
 from shared.manifest import Layout
+from shared.runtime.exits import DEBUG_ENV
 from tests.encode.test_pipeline import HIGH, LOW, SMALL, encode, make_cfg, rows_by_key
 
 SHARDS = 8
@@ -115,3 +116,33 @@ def test_user_errors_print_one_line_naming_the_fix(tmp_path: Path) -> None:
         check=False,
     )
     assert unknown.returncode == 2 and "transform.resolutionz" in unknown.stderr
+
+
+def test_a_node_without_gpus_in_a_job_of_several_nodes_is_refused_before_the_models_load(
+    tmp_path: Path,
+) -> None:
+    """encoder.device=auto (the sample config says cpu) on a node whose GPUs are not seen (rank 3 of 2 nodes,
+    as torchrun sets it): it would encode its share on CPU for days while every other rank waits for it. One
+    line naming the node and both fixes, exit 2, nothing written; encoder.device=cpu says a CPU job on several
+    nodes means it (the sample config's own setting: the CPU on purpose)."""
+    import socket
+
+    src, out = tmp_path / "in", tmp_path / "out"
+    build_webdataset(src, shards=1, per_shard=2, seed=5)
+    env = {
+        **os.environ, DEBUG_ENV: "0", "CUDA_VISIBLE_DEVICES": "", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2",
+        "RANK": "3", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "9",
+    }  # fmt: skip
+    done = subprocess.run(
+        encode_cmd(src, out, "encoder.device=auto"),
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=START_TIMEOUT_S,
+    )
+    assert done.returncode == 2, done.stderr[-3000:]
+    (line,) = [each for each in done.stderr.strip().splitlines() if " INFO " not in each]
+    node = socket.gethostname()
+    assert f"encoder.device=auto but this node ({node}) sees no GPU, in a job of 2 nodes" in line
+    assert line.endswith("or pass encoder.device=cpu for a CPU job on several nodes")
+    assert not out.exists()

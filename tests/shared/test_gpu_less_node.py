@@ -1,6 +1,6 @@
-"""A node that sees no GPU in a job of several nodes (a broken driver) is refused under device `auto`, by
-every job that joins a process group (train's `fit`, `eval-images`), naming both fixes; one node of CPU
-ranks, or a CPU job that says so, runs."""
+"""A node that sees no GPU in a job of several nodes (a broken driver) is refused under device `auto` by
+every job that runs ranks on several nodes (train's `fit`, `eval-images`, encode), naming both fixes; one
+node of CPU ranks, or a CPU job that says so, runs."""
 
 from __future__ import annotations
 
