@@ -51,8 +51,8 @@ def check_node_sees_gpu(requested: str, kind: str, nodes: int, flag: str = "devi
     """Refuse `auto` resolved to the CPU on one node of a job of several: its peers found their GPUs, most
     likely, and this node's driver is broken. A train job would pick gloo there while its peers picked NCCL
     (the process group never forms: a hang until the join timeout, then a restart into the same hang); an
-    eval would generate on CPU while every other rank waits for it. `cpu_setting` is how the job asks for
-    the CPU on purpose: `flag` is the job's spelling of its device setting (`device=`, `--device `)."""
+    eval or an encode would run its share on CPU while every other rank waits for it. `flag` is the job's
+    spelling of its device setting (`device=`, `--device `, `encoder.device=`): the message's two fixes."""
     if kind == "cpu" and requested == "auto" and nodes > 1:
         raise DeviceError(
             f"{flag}auto but this node ({socket.gethostname()}) sees no GPU, in a job of {nodes} nodes: "

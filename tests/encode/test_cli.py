@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -125,8 +126,6 @@ def test_a_node_without_gpus_in_a_job_of_several_nodes_is_refused_before_the_mod
     as torchrun sets it): it would encode its share on CPU for days while every other rank waits for it. One
     line naming the node and both fixes, exit 2, nothing written; encoder.device=cpu says a CPU job on several
     nodes means it (the sample config's own setting: the CPU on purpose)."""
-    import socket
-
     src, out = tmp_path / "in", tmp_path / "out"
     build_webdataset(src, shards=1, per_shard=2, seed=5)
     env = {
