@@ -30,9 +30,10 @@ TORCH_NEXT_TESTS ?= tests/train/loop/test_fit.py tests/train/checkpoints/test_re
 	$(SHARDED_TESTS)::test_metadata_naming_a_shard_file_outside_the_folder_is_refused
 
 # make test / test-quick / test-torch-next run on TEST_WORKERS pytest-xdist processes (CI's 2 cores; a serial
-# run left a third of them idle in waits); TEST_WORKERS=1 runs the suite in one process.
+# run left a third of them idle in waits); TEST_WORKERS=1 runs the suite in one process. --no-loadscope-reorder:
+# xdist hands out the groups in tests/conftest.py's order (slow groups first), not largest test count first.
 TEST_WORKERS ?= 2
-XDIST = $(if $(filter-out 0 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadgroup)
+XDIST = $(if $(filter-out 0 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder)
 
 DATASET ?= sample
 CONFIG ?= tiny

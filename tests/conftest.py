@@ -65,7 +65,9 @@ def mark_s3_users(items: list[pytest.Item]) -> None:
 def group_for_workers(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Under pytest-xdist (`make test` runs two workers, `--dist loadgroup`): a module's tests stay on one
     worker, so its module fixtures are built once; the users of an expensive session fixture share one worker,
-    so it is built once a run; and the slow groups are handed out first, so no long one starts last.
+    so it is built once a run; and the slow groups are handed out first, so no long one starts last (xdist
+    keeps this order only with --no-loadscope-reorder, which the Makefile passes; by default it hands out
+    the groups with the most tests first).
 
     The scheduler reads the node ids and their order from the workers' collections, so the marks are added
     in the workers (`workerinput`), whose own options say neither `-n` nor `--dist`."""
