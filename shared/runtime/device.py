@@ -7,11 +7,10 @@ torch, never composer: encode and shared/ use it too.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import platform
 import socket
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, nullcontext, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -98,12 +97,12 @@ def describe_device(device: torch.device) -> str:
     return f"CPU {platform.machine()} ({torch.get_num_threads()} torch threads)"
 
 
-def host_cpu_name(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+def host_cpu_name(proc_cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
     """The host CPU's model name, read in this process: /proc/cpuinfo's first "model name" (Linux), else
     platform.processor(), else "CPU". What py-cpuinfo reports as `brand_raw`, without the Python subprocess
     py-cpuinfo starts to find it (train/loop/trainer.py gives this to Composer's env report)."""
-    with contextlib.suppress(OSError):
-        for line in cpuinfo.read_text(errors="replace").splitlines():
+    with suppress(OSError):
+        for line in proc_cpuinfo.read_text(errors="replace").splitlines():
             key, _, value = line.partition(":")
             if key.strip() == "model name" and value.strip():
                 return value.strip()
