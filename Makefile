@@ -34,6 +34,10 @@ TORCH_NEXT_TESTS ?= tests/train/loop/test_fit.py tests/train/checkpoints/test_re
 # xdist hands out the groups in tests/conftest.py's order (slow groups first), not largest test count first.
 TEST_WORKERS ?= 2
 XDIST = $(if $(filter-out 0 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder)
+# The project's bytecode, written before a suite: where PYTHONDONTWRITEBYTECODE is set (this workplace's
+# image and many Docker images set it) Python never caches it, and each of the suite's hundreds of
+# `python -m train|encode` processes compiled the same project sources again (~0.4 s of CPU each).
+BYTECODE = $(1) -m compileall -q -j 0 encode train shared tests
 
 DATASET ?= sample
 CONFIG ?= tiny
@@ -99,9 +103,11 @@ demo: $(STAMP)  ## sample data -> encode -> train a tiny U-Net -> export; prints
 	$(BIN)/python -m train demo --out $(OUT)/demo $(ARGS)
 
 test: $(STAMP)  ## the full suite, as CI runs it [TEST_WORKERS=2]
+	$(call BYTECODE,$(BIN)/python)
 	$(BIN)/python -m pytest -q $(XDIST) $(PYTEST_ARGS)
 
 test-quick: $(STAMP)  ## everything but the slow tests
+	$(call BYTECODE,$(BIN)/python)
 	$(BIN)/python -m pytest -q -m 'not slow' $(XDIST) $(PYTEST_ARGS)
 
 # `make test-gpu` alone writes outputs/gpu-check; OUT given on the command line is that folder itself.
@@ -109,12 +115,14 @@ GPU_OUT = $(if $(filter file,$(origin OUT)),$(OUT)/gpu-check,$(OUT))
 COMPILE_CACHE ?= outputs/compile-cache
 
 test-gpu: $(STAMP)  ## make test-gpu [OUT=folder]: the GPU list + a short bench in <= 8 min -> OUT/gpu-check.json (docs/gpu-tests.md)
+	$(call BYTECODE,$(BIN)/python)
 	$(BIN)/python -m tests.gpu_check --out $(GPU_OUT) --cache $(COMPILE_CACHE) $(if $(PYTEST_ARGS),--pytest-args '$(PYTEST_ARGS)') $(if $(ARGS),--bench-args '$(ARGS)')
 
 test-torch-next:  ## CI: the training, resume, FSDP and export tests on TORCH_NEXT over the lock's other pins
 	@test -x $(NEXT_IMAGE)/bin/python || python3.11 -m venv $(NEXT_IMAGE)
 	$(NEXT_IMAGE)/bin/pip install --quiet --disable-pip-version-check $(TORCH_NEXT) $(QUIET)
 	$(MAKE) --no-print-directory install TORCH=system PYTHON=$(abspath $(NEXT_IMAGE))/bin/python VENV=$(NEXT_VENV)
+	$(call BYTECODE,$(NEXT_VENV)/bin/python)
 	$(NEXT_VENV)/bin/python -m pytest -q $(XDIST) $(TORCH_NEXT_TESTS) $(PYTEST_ARGS)
 
 lint: $(STAMP)  ## ruff lint + format check
