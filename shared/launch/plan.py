@@ -39,6 +39,7 @@ JobKind = Literal["train", "encode"]
 
 DEFAULT_GPUS_PER_NODE = 8  # DGX / p4d / p5 / a3 nodes
 DEFAULT_MASTER_PORT = 29500  # torchrun's own default
+GPU_DRIVER_PATHS = (Path("/proc/driver/nvidia"), Path("/dev/kfd"))  # NVIDIA's; AMD's (ROCm, torch.cuda too)
 KUBECTL_TIMEOUT_S = 10  # `kubectl config current-context` only reads the kubeconfig
 # Kubernetes object names are DNS labels (63 chars); Indexed Job pods append "-<index>" to the job name.
 MAX_NAME_CHARS = 50
@@ -278,8 +279,6 @@ def check_name(name: str) -> str:
 
 
 # --- the job ----------------------------------------------------------------------------------------
-
-
 def program_target(name_or_path: str) -> str:
     """A config name as every rank should see it: names stay, an existing file becomes an absolute path
     (Slurm tasks run in the repo root, not where the command was typed)."""
@@ -288,10 +287,10 @@ def program_target(name_or_path: str) -> str:
 
 
 # --- this machine ------------------------------------------------------------------------------------
-
-
 def local_gpu_count() -> int:
-    """CUDA devices visible here (torch is imported only now, and only for the local launcher)."""
+    """GPUs torch would use here; with no GPU driver loaded none, and torch (~2 s a launch) stays out."""
+    if not any(path.exists() for path in GPU_DRIVER_PATHS):
+        return 0
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -350,8 +349,6 @@ def workdir() -> str:
 
 
 # --- torchrun ---------------------------------------------------------------------------------------
-
-
 def torchrun_args(
     topology: Topology,
     rdzv_host: str,

@@ -23,8 +23,10 @@ import yaml
 from typer.testing import CliRunner
 
 from shared.batching import BatchingError, derive_batching
+from shared.launch import plan as launch_plan
 from shared.launch import steps
 from shared.launch.plan import (
+    GPU_DRIVER_PATHS,
     LaunchError,
     LaunchOptions,
     LaunchPlan,
@@ -330,13 +332,23 @@ def test_missing_torchrun_names_the_fix(tmp_path: Path, monkeypatch) -> None:
 
 
 def test_planning_never_imports_composer_or_torch(train_yaml: Path) -> None:
+    """Nor does a local launch's plan on a machine without a GPU driver (the launcher stays light: it
+    counts GPUs with torch only where there can be some)."""
+    local = f"plan_train({str(train_yaml)!r}, [], LaunchOptions(2, 'local'))\n"
     code = (
         "import sys; from train.launch import plan_train; from shared.launch.plan import LaunchOptions\n"
         f"plan_train({str(train_yaml)!r}, [], LaunchOptions(16, 'slurm'))\n"
+        f"{'' if any(path.exists() for path in GPU_DRIVER_PATHS) else local}"
         "heavy = sorted(m for m in ('composer', 'torch', 'diffusers') if m in sys.modules)\n"
         "assert not heavy, heavy"
     )
     subprocess.run([PYTHON, "-c", code], cwd=REPO, check=True, timeout=60)
+
+
+def test_no_gpu_driver_means_no_gpus_without_asking_torch(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(launch_plan, "GPU_DRIVER_PATHS", (tmp_path / "no-driver",))
+    monkeypatch.setitem(sys.modules, "torch", None)  # an `import torch` now raises ImportError
+    assert launch_plan.local_gpu_count() == 0
 
 
 # ------------------------------------------------------------------------------------------ Slurm
