@@ -34,6 +34,7 @@ from train.checkpoints.files import CHECKPOINT_FILENAME, SHARDED_METADATA_NAME
 from train.checkpoints.sharded import SHARD_SUFFIX, fsdp_checkpoint_options
 from train.ema.algorithm import HandoffEMA, build_ema
 from train.loop.cpu_fsdp import no_cpu_offload
+from train.loop.trainer import composer_names_the_cpu_in_process
 
 CKPT_RANKS = 2
 STORE_NAME = "rendezvous"  # a FileStore in the run's own temp folder: no port to pick, nothing shared
@@ -76,6 +77,7 @@ def composer_state(
 def save_with_composer(state: State, folder: str | Path) -> str | None:
     """Composer's own save (collective): `<folder>/ep0-ba0/` (sharded, every rank), or
     `<folder>/ep0-ba0-rank0.pt` (full; None on the ranks that write nothing)."""
+    composer_names_the_cpu_in_process()  # as the train job's saves: no py-cpuinfo subprocess per rank
     with no_cpu_offload():
         saved = composer_checkpoint.save_checkpoint(state, filename=str(Path(folder) / CHECKPOINT_FILENAME))
     if saved is None:
