@@ -3,13 +3,17 @@ each the node's supervisor over torchrun's elastic agent), `--nnodes=2` with a c
 2 gloo ranks each, tiny preset. Each node has its own HOME, temp folder (so its own Streaming cache, control
 folder and log folder) and its own /dev/shm: a private mount namespace with a tmpfs on /dev/shm, as separate
 hosts would have (Streaming names its shared memory per host, so two nodes sharing one /dev/shm collide).
-Checkpoints go to the loopback S3 server. One uninterrupted run is the reference; then:
-- failures on node 1, one after the other in one run: kill -9 of a rank (every node's ranks restart within
-  collective_timeout_s), SIGSTOP of a rank (the watchdog names it, every node restarts), and node 1 lost
-  whole (its supervisor, agent and ranks SIGKILLed): node 0 waits in the rendezvous, a replacement node 1
-  (fresh local folders) joins, and the run ends on the reference's weights and EMA;
-- SIGTERM to node 0's launcher: every node saves the same step and exits 75; the rerun matches.
-After each run a node leaves nothing in its temp folder or /dev/shm but what the run keeps (run_keeps).
+Checkpoints go to the loopback S3 server. One uninterrupted run is the reference; then one run that meets
+every failure on two nodes, in two launches of the same command:
+- the first launch: kill -9 of a rank on node 1 (every node's ranks restart within collective_timeout_s),
+  then SIGTERM to node 0's launcher: every node saves the same step and exits 75;
+- the rerun resumes that step, then: SIGSTOP of a rank on node 1 (the watchdog names it, every node
+  restarts), and node 1 lost whole (its supervisor, agent and ranks SIGKILLed): node 0 waits in the
+  rendezvous, a replacement node 1 (fresh local folders) joins, and the run ends on the reference's weights
+  and EMA.
+One run rather than one per failure: each launch of two nodes starts 8 Python processes that import
+Composer, which is most of this module's time.
+After each launch a node leaves nothing in its temp folder or /dev/shm but what the run keeps (run_keeps).
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ from train.checkpoints.files import fetched_checkpoint, find_latest_checkpoint, 
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow, pytest.mark.s3]
 
-MAX_BATCHES = 16  # 8 batches of 8 an epoch on the 64-row tiny dataset: two epochs
+MAX_BATCHES = 20  # 8 batches of 8 an epoch on the 64-row tiny dataset: into a third epoch
 COLLECTIVE_TIMEOUT_S = 120
 HANG_TIMEOUT_S = 30  # a tiny step and its save take seconds on a loaded box (uploads run in the background)
 SETTINGS = [
@@ -236,35 +240,54 @@ def assert_matches(reference: str, save: str) -> None:
     assert_same_weights(final_state(save), final_state(reference), WEIGHT_ATOL)
 
 
-def test_failures_on_node_1_restart_every_node_and_the_run_matches(
-    reference: tuple[str, str], tmp_path: Path
+def test_failures_and_a_sigterm_on_two_nodes_end_on_the_uninterrupted_runs_weights(
+    reference: tuple[str, str],
 ) -> None:
-    """kill -9 of a rank, SIGSTOP of a rank, then node 1 lost whole and replaced, in one run."""
     data, ref_save = reference
     with node_folders() as base:
-        job = Job(base, data, ref_save.rsplit("/", 1)[0] + "/failures", free_port())
-        run_failures(job)
-    assert_matches(ref_save, job.save)
+        save = ref_save.rsplit("/", 1)[0] + "/failures"
+        stopped = crash_then_sigterm(Job(base / "first", data, save, free_port()))
+        rerun = Job(base / "rerun", data, save, free_port())
+        hang_then_lose_node_1(rerun, stopped)
+        assert f"ba{stopped}" in rerun.nodes[0].text().split("autoresume: continuing from")[1].splitlines()[0]
+    assert_matches(ref_save, save)
 
 
-def run_failures(job: Job) -> None:
+def crash_then_sigterm(job: Job) -> int:
+    """kill -9 of a rank on node 1, then SIGTERM to node 0's launcher: the step every node saved."""
     node0, node1 = job.start_both()
     # kill -9 of one rank on node 1: node 0's ranks are stopped too (within the collective timeout) ...
     victim = job.wait_for_batch(node1, 3)[0]
     before = [beat.pid for beat in job.wait_for_batch(node0, 3)]
     os.kill(victim.pid, signal.SIGKILL)
-    took = wait_gone(before, COLLECTIVE_TIMEOUT_S)
+    wait_gone(before, COLLECTIVE_TIMEOUT_S)
     # ... and every node's ranks start again (a new generation of processes) and go on.
-    beats = job.wait_for_batch(node1, 6)
-    assert victim.pid not in [beat.pid for beat in beats]
+    beats = job.wait_for_batch(node0, 5)
+    assert not set(before) & {beat.pid for beat in beats}
+    os.kill(node0.launcher_pid(), signal.SIGTERM)
+    assert job.finish(node0, node1) == [control.EXIT_RESUMABLE] * 2, job.logs()
+    stopped = saved_batch(job.save)
+    assert 5 <= stopped < MAX_BATCHES
+    assert "torchrun restarted every node's ranks" in node0.text()
+    for node in (node0, node1):  # every node's ranks saved the same step and said so
+        assert f"stopped at batch {stopped} on" in node.text() and "rerun the same command" in node.text()
+        assert "Traceback" not in node.text(), node.text()[-5000:]  # the rank left behind: a line
+        assert_nothing_left(node)
+    assert f"({job.save}/ep" in node0.text()  # rank 0 names the checkpoint on S3, not its staged copy
+    return stopped
+
+
+def hang_then_lose_node_1(job: Job, resumed: int) -> None:
+    """The rerun: SIGSTOP of a rank on node 1, then node 1 lost whole and replaced; the run finishes."""
+    node0, node1 = job.start_both()
     # SIGSTOP of one rank on node 1: the watchdog names it, kills the node's ranks, every node restarts.
-    stopped = beats[0].pid
-    os.kill(stopped, signal.SIGSTOP)
-    job.wait_for_batch(node1, 10)
+    stopped = job.wait_for_batch(node1, resumed + 1)[0]
+    os.kill(stopped.pid, signal.SIGSTOP)
+    job.wait_for_batch(node1, resumed + 3)
     text = node1.text()
     assert (
-        f"(pid {stopped}) is stopped (SIGSTOP" in text
-        and f"--- rank {beats[0].rank} (pid {stopped}) ---" in text
+        f"(pid {stopped.pid}) is stopped (SIGSTOP" in text
+        and f"--- rank {stopped.rank} (pid {stopped.pid}) ---" in text
     )
     # Node 1 lost whole: its supervisor, agent and ranks. A replacement (fresh local folders) joins.
     kill_tree(node1.proc.pid)
@@ -272,39 +295,9 @@ def run_failures(job: Job) -> None:
     replacement = job.start(1, name="n1r")
     assert job.finish(node0, replacement) == [0, 0], job.logs()
     restarts = [line for line in node0.text().splitlines() if "torchrun restarted every node's ranks" in line]
-    assert len(restarts) >= 3, restarts  # the crash, the hang, the lost node (a rendezvous may retry)
-    assert took < COLLECTIVE_TIMEOUT_S
+    assert len(restarts) >= 2, restarts  # the hang, the lost node (a rendezvous may retry)
     for node in (node0, node1, replacement):  # the ranks left behind by each failure: a line each
         assert "Traceback" not in node.text(), node.text()[-5000:]
     for node in (node0, replacement):
         assert_nothing_left(node)
     assert processes_naming(node1.folder) == []  # lost whole: its earlier generations' strays were ended
-
-
-def test_sigterm_to_node_0s_launcher_saves_one_step_on_every_node_and_the_rerun_matches(
-    reference: tuple[str, str], tmp_path: Path
-) -> None:
-    data, ref_save = reference
-    with node_folders() as base:
-        save = ref_save.rsplit("/", 1)[0] + "/sigterm"
-        stopped = stop_on_sigterm(Job(base, data, save, free_port()))
-        rerun = Job(base / "rerun", data, save, free_port())
-        nodes = rerun.start_both()
-        assert rerun.finish(*nodes) == [0, 0], rerun.logs()
-        assert f"ba{stopped}" in nodes[0].text().split("autoresume: continuing from")[-1].splitlines()[0]
-    assert_matches(ref_save, save)
-
-
-def stop_on_sigterm(job: Job) -> int:
-    """SIGTERM to node 0's launcher mid-run: the step both nodes saved."""
-    node0, node1 = job.start_both()
-    job.wait_for_batch(node0, 5)
-    os.kill(node0.launcher_pid(), signal.SIGTERM)
-    assert job.finish(node0, node1) == [control.EXIT_RESUMABLE] * 2, job.logs()
-    stopped = saved_batch(job.save)
-    assert 5 <= stopped < MAX_BATCHES
-    for node in (node0, node1):  # every node's ranks saved the same step and said so
-        assert f"stopped at batch {stopped} on" in node.text() and "rerun the same command" in node.text()
-        assert_nothing_left(node)
-    assert f"({job.save}/ep" in node0.text()  # rank 0 names the checkpoint on S3, not its staged copy
-    return stopped
