@@ -42,9 +42,9 @@ _LEFT: list[str] = []
 
 # -------------------------------------------------------------------------------------- collection
 S3_FIXTURES = ("s3_server", "s3_prefix")
-# Session fixtures too costly to build once per xdist worker: `make demo` for real (~2 CPU minutes) and the
-# trained tiny checkpoint (tests/train/conftest.py).
-ONE_WORKER_FIXTURES = ("demo_run", "tiny_run")
+# Session fixtures too costly to build once per xdist worker: `make demo` and `make bench` for real (~2 CPU
+# minutes each) and the trained tiny checkpoint (tests/train/conftest.py).
+ONE_WORKER_FIXTURES = ("demo_run", "bench_alone", "tiny_run")
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects, so the s3 marks added here count

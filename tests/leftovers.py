@@ -12,6 +12,7 @@ Several suites (and jobs) may run at once on one machine, so nothing here counts
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import re
@@ -19,8 +20,10 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 SHM = Path("/dev/shm")
 # What a job may keep in its temp folder after it ends: the Streaming cache, the run's log folder and the
@@ -55,6 +58,41 @@ def private_shm_works() -> bool:
 def in_private_shm(argv: list[str]) -> list[str]:
     """`argv` in a /dev/shm of its own; what it left there lands in the file $SHM_LEFT names."""
     return ["unshare", "-m", "--propagation", "private", "sh", "-c", PRIVATE_SHM, "sh", *argv]
+
+
+@dataclass
+class Alone:
+    """What a command run alone (`run_alone`) left: entries in its temp folder beyond what a job keeps, and
+    in its /dev/shm (None where this machine cannot give it a /dev/shm of its own)."""
+
+    temp: list[str]
+    shm: list[str] | None
+
+
+def run_alone(
+    argv: list[str], base: Path, env: dict[str, str], **run: Any
+) -> tuple[subprocess.CompletedProcess[str], Alone]:
+    """`argv` with a temp folder of its own (`base`/tmp) and, where `unshare -m` works, a /dev/shm of its own,
+    as a job on a host of its own has; `run` goes to subprocess.run (cwd, timeout, stdout...). `base` must be
+    short: a job's Unix sockets live in its temp folder, and a socket path may not exceed 107 bytes."""
+    temp, shm_left = base / "tmp", base / "shm-left"
+    temp.mkdir(parents=True)
+    private = private_shm_works()
+    env = {**env, "TMPDIR": str(temp), "SHM_LEFT": str(shm_left)}
+    done = subprocess.run(in_private_shm(argv) if private else argv, env=env, text=True, **run)
+    left = sorted(p.name for p in temp.iterdir() if not p.name.startswith(RUN_KEEPS))
+    return done, Alone(left, shm_left.read_text().split() if private and shm_left.exists() else None)
+
+
+@contextlib.contextmanager
+def short_folder(prefix: str) -> Iterator[Path]:
+    """A folder under /tmp with a short path (pytest's tmp_path is too deep for a socket path), removed
+    afterwards."""
+    base = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    try:
+        yield base
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
 
 
 def start_run() -> Run:

@@ -31,6 +31,7 @@ from shared import storage
 from shared.contract import Shapes, make_row, mds_columns
 from shared.manifest import DatasetManifest, Layout, ResolutionInfo, fingerprint
 from shared.presets import get_preset
+from tests.leftovers import Alone, run_alone, short_folder
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PYTHON = sys.executable
@@ -353,22 +354,72 @@ def run_make(cwd: Path, target: str, *variables: str, timeout: float = 900) -> s
 
 
 class DemoRun:
-    """`make demo` run once in a fresh folder: the folder, the demo's output root and what it printed."""
+    """`make demo` run once in a fresh folder: the folder, the demo's output root, what it printed and what it
+    left in its temp folder and /dev/shm (tests/leftovers.py run_alone)."""
 
-    def __init__(self, cwd: Path, output: str):
+    def __init__(self, cwd: Path, output: str, left: Alone):
         self.cwd = cwd
         self.root = cwd / "outputs" / "demo"
         self.output = output
+        self.left = left
 
 
 @pytest.fixture(scope="session")
 def demo_run(tmp_path_factory: pytest.TempPathFactory) -> DemoRun:
     """The real `make demo` command (the full 600-step tiny run, 2-3 CPU minutes alone) in a fresh folder,
-    shared by the learning test and the newcomer-path test."""
+    with a temp folder and a /dev/shm of its own, shared by the learning test, the newcomer-path test and
+    the leftover test (tests/train/tools/test_nothing_left_behind.py)."""
     cwd = tmp_path_factory.mktemp("newcomer")
-    result = run_make(cwd, "demo")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    with short_folder("sdd-") as base:
+        result, left = run_alone(
+            make_command("demo"), base, env, cwd=cwd, timeout=900, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:]
-    return DemoRun(cwd, result.stdout)
+    return DemoRun(cwd, result.stdout, left)
+
+
+# `make bench` with every section on, each cut to seconds where its counters allow: 6 timed trainer batches
+# (the tiny recipe flushes its log at 5) and 2 flow batches over 8 rows (an epoch ends among them), 12 S3
+# batches with a checkpoint every 4, the 2-rank job's SD2-shaped checkpoint at one repeat. Every section
+# that starts processes or servers runs: the loader (Streaming), the trainer (Composer), buckets, encode
+# (decode workers), S3 (SeaweedFS) and the 2-rank gloo job (FSDP). The recipe as run and the host twin run
+# Composer in the bench's process again, as the trainer section does, so they are off;
+# tests/train/bench/test_bench.py runs them in process.
+BENCH_ALONE = (
+    "step.resolutions=[64] step.repeats=1 step.warmup=0 loader.rows=8 loader.passes=1 trainer.batches=6 "
+    "trainer.warmup=1 trainer.flow_batches=2 trainer.as_recipe=false trainer.host_twin=false "
+    "anatomy.enabled=false "
+    "buckets.repeats=1 buckets.bucket_step=16 buckets.loader_rows=4 encode.samples=8 encode.repeats=1 "
+    "encode.vae_resolutions=[] scale.ckpt_repeats=1"
+)
+
+
+class BenchRun:
+    """`make bench` run once in a fresh folder: what it printed, its JSON, and what it left behind."""
+
+    def __init__(self, output: str, result: dict[str, Any], left: Alone):
+        self.output = output
+        self.result = result
+        self.left = left
+
+
+@pytest.fixture(scope="session")
+def bench_alone(tmp_path_factory: pytest.TempPathFactory) -> BenchRun:
+    """The real `make bench` command (BENCH_ALONE's knobs) in a fresh folder with a temp folder and a
+    /dev/shm of its own: the newcomer's `make bench`, the scale counters
+    (tests/train/bench/test_bench_scale_counters.py) and the leftover test read this one run."""
+    cwd = tmp_path_factory.mktemp("bench-alone")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    with short_folder("sdb-") as base:  # SeaweedFS listens on a Unix socket in the bench's temp folder
+        result, left = run_alone(
+            make_command("bench", f"ARGS={BENCH_ALONE}"), base, env, cwd=cwd, timeout=900,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert "Traceback" not in result.stdout, result.stdout[-3000:]
+    return BenchRun(result.stdout, json.loads((cwd / "outputs" / "bench" / "bench.json").read_text()), left)
 
 
 @pytest.fixture

@@ -284,22 +284,6 @@ def measure_collectives(ckpt_width: int = 256, ckpt_depth: int = 4, ckpt_repeats
         return json.loads((Path(work) / RESULT_NAME).read_text())
 
 
-def _accumulation_main(rank: int, work: str, settings: CommSettings) -> None:
-    init_gloo(rank, SCALE_RANKS, work, tag="-accum")
-    counts = count_accumulation(settings)
-    if rank == 0:
-        (Path(work) / RESULT_NAME).write_text(json.dumps(counts))
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-def measure_accumulation() -> dict[str, Any]:
-    """Only the accumulation count, on its own 2-rank job (rank 0's counts)."""
-    with tempfile.TemporaryDirectory(prefix="sd-bench-accum-") as work:
-        mp.spawn(_accumulation_main, args=(work, shipped_settings()), nprocs=SCALE_RANKS, join=True)
-        return json.loads((Path(work) / RESULT_NAME).read_text())
-
-
 def bench_collectives(ckpt_width: int, ckpt_depth: int, ckpt_repeats: int) -> dict[str, Any]:
     """The summarized counters, and the job's wall time (mostly 2 processes importing Composer)."""
     start = time.perf_counter()

@@ -4,7 +4,8 @@ Each command is the one the Makefile runs (read with `make -n`, see tests/train/
 newcomer runs it, so its relative `outputs/` are the demo's. Every one either does something useful on the
 demo's outputs or exits with a short message naming the command that would; none prints a traceback.
 The demo itself is the session's shared `make demo` run (tests/train/loop/test_learning.py checks what it
-learned).
+learned); `make bench`, which reads nothing of the demo's, is the session's shared run in a folder of its
+own (tests/train/conftest.py bench_alone, checked in tests/train/bench/test_bench_scale_counters.py).
 """
 
 from __future__ import annotations
@@ -15,16 +16,6 @@ import subprocess
 import pytest
 
 from tests.train.conftest import DemoRun, run_make
-
-# `make bench` measures every part of the machine (S3 on loopback, a 2-rank gloo job, encode, the SD2 recipe
-# as run at SD2's module tree): minutes on 2 cores. The path only needs it to run through on the demo's
-# outputs, so the bench's own knobs make it small (185 s -> 56 s); every section runs in
-# tests/train/bench/test_bench.py.
-SMALL_BENCH = (
-    "step.resolutions=[256] step.repeats=1 step.warmup=0 loader.enabled=false trainer.batches=3 "
-    "trainer.warmup=1 trainer.as_recipe=false trainer.host_twin=false anatomy.enabled=false "
-    "buckets.enabled=false encode.enabled=false scale.s3=false scale.collectives=false"
-)
 
 
 def ran(result: subprocess.CompletedProcess, code: int = 0) -> str:
@@ -54,11 +45,9 @@ def test_every_next_command_after_the_demo_works_or_says_what_to_do(demo_run: De
     assert "exported ema weights" in ran(run_make(cwd, "export"))
     assert (cwd / "outputs" / "pipeline" / "model_index.json").exists()
 
-    # make estimate and make bench
+    # make estimate (make bench: the session's shared run, tests/train/conftest.py bench_alone)
     ran(run_make(cwd, "estimate"))
     assert (cwd / "outputs" / "estimate" / "estimate.json").exists()
-    ran(run_make(cwd, "bench", f"ARGS={SMALL_BENCH}"))
-    assert (cwd / "outputs" / "bench" / "bench.json").exists()
 
     # make train GPUS=2 DRY_RUN=1: this run's numbers, SD2-base's only as a labelled reference
     out = ran(run_make(cwd, "train", "GPUS=2", "DRY_RUN=1"))
