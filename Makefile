@@ -55,7 +55,7 @@ LAUNCH_FLAGS = --gpus $(or $(GPUS),1) --launcher $(LAUNCHER) $(if $(NODES),--nod
 	$(if $(EFA),--efa) $(if $(DRY_RUN),--dry-run) $(LAUNCH_ARGS)
 
 .DEFAULT_GOAL := help
-.PHONY: help install wheelhouse torch-mode test-torch-next demo test test-quick test-gpu lint format encode encode-gc train export bench estimate tiny-vae lock clean
+.PHONY: help install wheelhouse torch-mode torch-next-venv test-torch-next demo test test-quick test-gpu lint format encode encode-gc train export bench estimate tiny-vae lock clean
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | column -t -s '	'
@@ -118,10 +118,13 @@ test-gpu: $(STAMP)  ## make test-gpu [OUT=folder]: the GPU list + a short bench 
 	$(call BYTECODE,$(BIN)/python)
 	$(BIN)/python -m tests.gpu_check --out $(GPU_OUT) --cache $(COMPILE_CACHE) $(if $(PYTEST_ARGS),--pytest-args '$(PYTEST_ARGS)') $(if $(ARGS),--bench-args '$(ARGS)')
 
-test-torch-next:  ## CI: the training, resume, FSDP and export tests on TORCH_NEXT over the lock's other pins
+# test-torch-next's venvs alone: CI builds them while `make test` runs (downloads and unpacking, mostly waits).
+torch-next-venv:
 	@test -x $(NEXT_IMAGE)/bin/python || python3.11 -m venv $(NEXT_IMAGE)
 	$(NEXT_IMAGE)/bin/pip install --quiet --disable-pip-version-check $(TORCH_NEXT) $(QUIET)
 	$(MAKE) --no-print-directory install TORCH=system PYTHON=$(abspath $(NEXT_IMAGE))/bin/python VENV=$(NEXT_VENV)
+
+test-torch-next: torch-next-venv  ## CI: the training, resume, FSDP and export tests on TORCH_NEXT over the lock's other pins
 	$(call BYTECODE,$(NEXT_VENV)/bin/python)
 	$(NEXT_VENV)/bin/python -m pytest -q $(XDIST) $(TORCH_NEXT_TESTS) $(PYTEST_ARGS)
 
