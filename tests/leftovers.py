@@ -86,8 +86,9 @@ def run_alone(
 
 @contextlib.contextmanager
 def short_folder(prefix: str) -> Iterator[Path]:
-    """A folder under /tmp with a short path (pytest's tmp_path is too deep for a socket path), removed
-    afterwards."""
+    """A folder under /tmp with a short path, removed afterwards: a job keeps Unix sockets in its temp folder
+    (multiprocessing's, for Composer's uploader; SeaweedFS's), and a socket path may not exceed 107 bytes,
+    which pytest's tmp_path is too deep for."""
     base = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
     try:
         yield base

@@ -289,10 +289,14 @@ def tiny_config(data: str, save: str | Path, cache: str | Path, *extra: str) -> 
     return load_config(TrainConfig, "tiny", tiny_overrides(data, save, cache, *extra), kind="train")
 
 
+def job_env() -> dict[str, str]:
+    """The environment a test's job runs in: single-threaded torch (results match across processes)."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
 def run_train_cli(args: list[str], **kwargs: Any) -> subprocess.Popen:
     """Start `python -m train ...` in a subprocess (single-threaded torch: results match across processes)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen([PYTHON, "-m", "train", *args], cwd=REPO_ROOT, env=env, **kwargs)
+    return subprocess.Popen([PYTHON, "-m", "train", *args], cwd=REPO_ROOT, env=job_env(), **kwargs)
 
 
 TINY_RUN_EVAL = ("eval.num_samples=8", "eval.timesteps=[100,900]", "eval.seed=3")
@@ -346,11 +350,21 @@ def make_command(target: str, *variables: str) -> list[str]:
 
 def run_make(cwd: Path, target: str, *variables: str, timeout: float = 900) -> subprocess.CompletedProcess:
     """Run what `make <target>` runs, in `cwd` (its relative outputs/ land there), stdout + stderr merged."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     return subprocess.run(
-        make_command(target, *variables), cwd=cwd, env=env, timeout=timeout,
+        make_command(target, *variables), cwd=cwd, env=job_env(), timeout=timeout,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
+
+
+def run_make_alone(cwd: Path, target: str, *variables: str) -> tuple[subprocess.CompletedProcess, Alone]:
+    """run_make with a temp folder and a /dev/shm of its own (tests/leftovers.py run_alone): what `make
+    <target>` printed and what it left. The temp folder is short (`make bench`'s SeaweedFS listens on a Unix
+    socket in it)."""
+    with short_folder("sdm-") as base:
+        return run_alone(
+            make_command(target, *variables), base, job_env(), cwd=cwd, timeout=900, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )  # fmt: skip
 
 
 class DemoRun:
@@ -370,12 +384,7 @@ def demo_run(tmp_path_factory: pytest.TempPathFactory) -> DemoRun:
     with a temp folder and a /dev/shm of its own, shared by the learning test, the newcomer-path test and
     the leftover test (tests/train/tools/test_nothing_left_behind.py)."""
     cwd = tmp_path_factory.mktemp("newcomer")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    with short_folder("sdd-") as base:
-        result, left = run_alone(
-            make_command("demo"), base, env, cwd=cwd, timeout=900, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-        )  # fmt: skip
+    result, left = run_make_alone(cwd, "demo")
     assert result.returncode == 0, result.stdout[-3000:]
     return DemoRun(cwd, result.stdout, left)
 
@@ -390,9 +399,8 @@ def demo_run(tmp_path_factory: pytest.TempPathFactory) -> DemoRun:
 BENCH_ALONE = (
     "step.resolutions=[64] step.repeats=1 step.warmup=0 loader.rows=8 loader.passes=1 trainer.batches=6 "
     "trainer.warmup=1 trainer.flow_batches=2 trainer.as_recipe=false trainer.host_twin=false "
-    "anatomy.enabled=false "
-    "buckets.repeats=1 buckets.bucket_step=16 buckets.loader_rows=4 encode.samples=8 encode.repeats=1 "
-    "encode.vae_resolutions=[] scale.ckpt_repeats=1"
+    "anatomy.enabled=false buckets.repeats=1 buckets.bucket_step=16 buckets.loader_rows=4 encode.samples=8 "
+    "encode.repeats=1 encode.vae_resolutions=[] scale.ckpt_repeats=1"
 )
 
 
@@ -411,12 +419,7 @@ def bench_alone(tmp_path_factory: pytest.TempPathFactory) -> BenchRun:
     /dev/shm of its own: the newcomer's `make bench`, the scale counters
     (tests/train/bench/test_bench_scale_counters.py) and the leftover test read this one run."""
     cwd = tmp_path_factory.mktemp("bench-alone")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    with short_folder("sdb-") as base:  # SeaweedFS listens on a Unix socket in the bench's temp folder
-        result, left = run_alone(
-            make_command("bench", f"ARGS={BENCH_ALONE}"), base, env, cwd=cwd, timeout=900,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        )  # fmt: skip
+    result, left = run_make_alone(cwd, "bench", f"ARGS={BENCH_ALONE}")
     assert result.returncode == 0, result.stdout[-3000:]
     assert "Traceback" not in result.stdout, result.stdout[-3000:]
     return BenchRun(result.stdout, json.loads((cwd / "outputs" / "bench" / "bench.json").read_text()), left)

@@ -20,12 +20,10 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from collections.abc import Iterator
@@ -37,7 +35,7 @@ import pytest
 
 from shared.launch import control
 from shared.launch.supervisor import CONTROL_PREFIX, alive, descendants
-from tests.leftovers import RUN_KEEPS, private_shm_works, processes_naming
+from tests.leftovers import RUN_KEEPS, private_shm_works, processes_naming, short_folder
 from tests.train.checkpoints.test_resume_ranks import assert_same_weights
 from tests.train.conftest import REPO_ROOT
 from train.checkpoints.files import fetched_checkpoint, find_latest_checkpoint, read_checkpoint
@@ -160,30 +158,18 @@ class Job:
         raise AssertionError(f"{node.folder.name} never reached batch {batch}: {self.logs()}")
 
 
-@contextlib.contextmanager
-def node_folders() -> Iterator[Path]:
-    """A short folder for the nodes' folders: multiprocessing's AF_UNIX sockets (Composer's uploader) live in
-    the ranks' temp folder, and a socket path may not exceed 107 bytes (pytest's tmp_path is too deep)."""
-    base = Path(tempfile.mkdtemp(prefix="sdn-", dir="/tmp"))
-    try:
-        yield base
-    finally:
-        shutil.rmtree(base, ignore_errors=True)
-
-
 def kill_tree(pid: int) -> None:
     for each in [pid, *descendants(pid)]:
         with contextlib.suppress(ProcessLookupError):
             os.kill(each, signal.SIGKILL)
 
 
-def wait_gone(pids: list[int], timeout_s: float) -> float:
-    """Seconds until every pid has exited (or AssertionError after timeout_s)."""
+def wait_gone(pids: list[int], timeout_s: float) -> None:
+    """Until every pid has exited (AssertionError after timeout_s)."""
     start = time.monotonic()
     while any(alive(pid) for pid in pids):
         assert time.monotonic() - start < timeout_s, f"{pids} still running after {timeout_s} s"
         time.sleep(0.05)
-    return time.monotonic() - start
 
 
 def final_state(save: str) -> dict[str, Any]:
@@ -218,7 +204,7 @@ def reference(
 ) -> Iterator[tuple[str, str]]:
     """The uninterrupted two-node run: (data, save folder on S3)."""
     save = f"s3://{s3_server.bucket}/two-nodes-{uuid.uuid4().hex[:12]}/reference"
-    with node_folders() as base:
+    with short_folder("sdn-") as base:
         job = Job(base, tiny_dataset, save, free_port())
         nodes = job.start_both()
         assert job.finish(*nodes) == [0, 0], job.logs()
@@ -244,7 +230,7 @@ def test_failures_and_a_sigterm_on_two_nodes_end_on_the_uninterrupted_runs_weigh
     reference: tuple[str, str],
 ) -> None:
     data, ref_save = reference
-    with node_folders() as base:
+    with short_folder("sdn-") as base:
         save = ref_save.rsplit("/", 1)[0] + "/failures"
         stopped = crash_then_sigterm(Job(base / "first", data, save, free_port()))
         rerun = Job(base / "rerun", data, save, free_port())
