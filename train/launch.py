@@ -32,7 +32,7 @@ from shared.estimate.cluster import (
 )
 from shared.estimate.gpus import GPU_TABLE
 from shared.estimate.memory import ddp_alternative
-from shared.estimate.model import dataset_text_store_line
+from shared.estimate.model import PhaseEstimate, dataset_text_store_line
 from shared.launch.cli import GpuTypeOpt, OverridesArg, launch_command
 from shared.launch.plan import LaunchOptions, LaunchPlan, Topology, plural, program_target, rank_resources
 from shared.launch.steps import build_steps
@@ -90,7 +90,8 @@ def plan_train(
     base_gb = TRAIN_BASE_GB.get(cfg.model.preset, TRAIN_BASE_GB[REFERENCE_PRESET])
     plan.resources = rank_resources(options, cfg.data.num_workers, base_gb, TRAIN_GB_PER_WORKER)
     plan.steps = build_steps(plan, os.environ if environ is None else environ)  # checks this machine (local)
-    plan.estimate, rate = run_estimate(cfg, topology.world_size, gpu_type)
+    plan.estimate, phase = run_estimate(cfg, topology.world_size, gpu_type)
+    step = planned_step(cfg, topology.world_size, phase)
     plan.reference.append(estimate_line(topology.world_size, gpu_type))
     try:
         plan.batching = derive_batching(
@@ -99,10 +100,11 @@ def plan_train(
     except BatchingError as err:  # a dry run still prints the rest of the plan, this last
         plan.refuse(str(err))
     else:
-        plan.cluster, notes = cluster_lines(cfg, topology, plan.batching, write_gb_per_s)
+        plan.cluster, notes = cluster_lines(cfg, topology, plan.batching, write_gb_per_s, step)
         plan.notes += notes
         micro = plan.batching.microbatch
         ddp = ddp_alternative(gpu_type, cfg.model.preset, cfg.data.resolution, micro)
+        rate = phase.images_per_s_per_gpu if phase else None
         if rate and (host := host_bound_note(bool(cfg.fsdp), micro, rate, ddp)):
             plan.notes.append(host)
         device = "cpu" if cfg.device == "cpu" else "gpu"
@@ -117,7 +119,7 @@ def plan_train(
     else:  # priced at SD2-base sizes and schedule: a reference for scale, not this run's storage
         plan.reference.append(f"not this run: {text_store}")
     plan.cluster += plan_lines(cfg.data, cfg.seed if cfg.data.shuffle_seed is None else cfg.data.shuffle_seed)
-    shape = run_shape(cfg, topology, write_gb_per_s)
+    shape = run_shape(cfg, topology, write_gb_per_s, step[0] if step else None)
     plan.cluster += resilience_lines(cfg, shape, exit_lead_s(cfg, shape.save_s))
     params = PRESET_PARAMS.get(cfg.model.preset)
     gradient_bytes = params * DTYPE_BYTES["fp32"] if params else None  # what DDP buckets
@@ -132,7 +134,7 @@ def plan_train(
 def supervision_of(cfg: TrainConfig, topology: Topology, write_gb_per_s: float) -> Supervision:
     """The supervisor settings from the config's `resilience` section (shared/launch/supervisor.py)."""
     res = cfg.resilience
-    lead = exit_lead_s(cfg, run_shape(cfg, topology, write_gb_per_s).save_s)
+    lead = exit_lead_s(cfg, run_shape(cfg, topology, write_gb_per_s, None).save_s)
     elastic = topology.nodes > 1  # torchrun's elastic agent restarts every node's ranks together
     return Supervision(res.max_restarts, res.hang_timeout_s, res.max_wall_time_s(), lead, elastic=elastic)
 
@@ -175,12 +177,23 @@ def node_local_lines(cfg: TrainConfig, topology: Topology, shared_save: bool) ->
     return lines
 
 
-def run_shape(cfg: TrainConfig, topology: Topology, write_gb_per_s: float) -> RunShape:
-    """Step and save times at the published throughput (None for presets / resolutions without one)."""
-    params = PRESET_PARAMS.get(cfg.model.preset)
+def planned_step(cfg: TrainConfig, world: int, phase: PhaseEstimate | None) -> tuple[float, str] | None:
+    """Seconds an optimizer step takes, and the rate they come from: the rate this run's time and cost were
+    priced at (so every line of the plan describes the same run), else the published A100 one."""
+    if phase is not None:
+        per_gpu = phase.cluster_images_per_s / world
+        basis = f"the estimate's {per_gpu:.1f} img/s per GPU on {plural(world, 'GPU')}"
+        return cfg.global_batch_size / phase.cluster_images_per_s, basis
     rate = PUBLISHED_IMAGES_PER_S_PER_A100.get(cfg.data.resolution)
+    if rate is None or cfg.model.preset not in PRESET_PARAMS:
+        return None
+    return step_seconds(cfg.global_batch_size, rate, world), f"the published {rate} img/s per A100"
+
+
+def run_shape(cfg: TrainConfig, topology: Topology, write_gb_per_s: float, step_s: float | None) -> RunShape:
+    """Step (planned_step) and save times (None for presets without published sizes)."""
+    params = PRESET_PARAMS.get(cfg.model.preset)
     world = topology.world_size
-    step_s = step_seconds(cfg.global_batch_size, rate, world) if rate and params else None
     save_s = None
     if params:
         ckpt = checkpoint_cost(params, world, topology.nodes, write_gb_per_s)
@@ -205,7 +218,11 @@ def accumulation_note(cfg: TrainConfig, batching: Batching) -> str:
 
 
 def cluster_lines(
-    cfg: TrainConfig, topology: Topology, batching: Batching, write_gb_per_s: float
+    cfg: TrainConfig,
+    topology: Topology,
+    batching: Batching,
+    write_gb_per_s: float,
+    step: tuple[float, str] | None,
 ) -> tuple[list[str], list[str]]:
     """Per-step communication, checkpoint size and save time (formulas: shared/estimate/cluster.py)."""
     notes = []
@@ -246,17 +263,16 @@ def cluster_lines(
         "full (rank 0) "
         f"{ckpt.full_save_s:.1f} s, sharded {ckpt.sharded_save_s:.2f} s",
     ]
-    rate = PUBLISHED_IMAGES_PER_S_PER_A100.get(cfg.data.resolution)
-    if rate is None or not cfg.save_interval.endswith("ba"):
+    if step is None or not cfg.save_interval.endswith("ba"):
         return lines, notes
-    step_s = step_seconds(cfg.global_batch_size, rate, topology.world_size)
+    step_s, basis = step
     interval = time_count(cfg.save_interval)
     full, sharded = (
         save_share(ckpt.full_save_s, interval, step_s),
         save_share(ckpt.sharded_save_s, interval, step_s),
     )
     lines.append(
-        f"saving every {cfg.save_interval} at the published {rate} img/s per A100 "
+        f"saving every {cfg.save_interval} at {basis} "
         f"(step {step_s * 1000:.1f} ms): "
         f"full {full:.2%}, sharded {sharded:.2%} of wall time"
     )
@@ -280,9 +296,9 @@ def run_samples(cfg: TrainConfig) -> int | None:
     return None
 
 
-def run_estimate(cfg: TrainConfig, gpus: int, gpu_type: str) -> tuple[str, float | None]:
+def run_estimate(cfg: TrainConfig, gpus: int, gpu_type: str) -> tuple[str, PhaseEstimate | None]:
     """Time and cost of the config being launched, where the planner has a throughput for its model, and
-    the images/s per GPU it priced with (None where it priced none)."""
+    the phase it priced (None where it priced none)."""
     samples = run_samples(cfg)
     what = f"this run: {cfg.max_duration}" + (f" = {samples:,} samples" if samples else "")
     what += f" of the {cfg.model.preset} preset at {cfg.data.resolution} px"
@@ -306,7 +322,7 @@ def run_estimate(cfg: TrainConfig, gpus: int, gpu_type: str) -> tuple[str, float
         f"${est.train_dollars:,.0f} ({est.pricing_mode} ${est.price_per_gpu_hour:.2f}/GPU-hour; throughput "
         "of jobs/estimate/sd2-base.yaml)"
     )
-    return line, est.phases[0].images_per_s_per_gpu
+    return line, est.phases[0]
 
 
 def wall_time(days: float) -> str:

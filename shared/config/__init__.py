@@ -39,6 +39,8 @@ def resolve_job_file(name_or_path: str | Path, kind: str) -> Path:
     """Turn `laion400m` into `jobs/<kind>/laion400m.yaml`; pass real paths through."""
     candidate = Path(name_or_path)
     known = ", ".join(sorted(p.stem for p in (JOBS_DIR / kind).glob("*.yaml")))
+    if not candidate.is_absolute() and not candidate.exists() and (REPO_ROOT / candidate).is_file():
+        candidate = REPO_ROOT / candidate  # a launcher names repo files from the repo root (any cwd, any pod)
     if candidate.suffix in (".yaml", ".yml") or candidate.exists():
         if not candidate.exists():
             raise ConfigError(

@@ -136,8 +136,9 @@ def host_bound_note(fsdp: bool, microbatch: int, images_per_s_per_gpu: float, dd
     if not fsdp or images_per_s_per_gpu < HOST_BOUND_MARGIN * ceiling:
         return ""
     return (
-        f"{microbatch} images per GPU a microbatch under per-block FSDP: the estimate's "
-        f"{images_per_s_per_gpu:,.1f} img/s per GPU needs {1000 * device_s:.0f} ms a microbatch, under the "
+        f"{microbatch} images per GPU a microbatch under per-block FSDP: the estimate's measured "
+        f"{images_per_s_per_gpu:,.1f} img/s per GPU (before scaling) needs {1000 * device_s:.0f} ms a "
+        "microbatch, under the "
         f"{FSDP_HOST_SECONDS_PER_STEP} s of host work a step took on an H200 at 8 per GPU (issue 30; "
         f"docs/performance.md): expect at most {ceiling:,.1f} img/s per GPU, "
         f"{images_per_s_per_gpu / ceiling:.1f}x the estimate's GPU-hours. More images per GPU (the memory "

@@ -295,4 +295,6 @@ def dataset_text_store_line(
     if est.text_store is None:
         return "text.store comparison unavailable (no bytes per sample for the schedule's resolutions)"
     store = (manifest_store(data_uri) if data_uri else None) or "unknown (no readable manifest)"
-    return f"{est.text_store.line()} [{sized_by}; this dataset stores {store}]"
+    # A choice for the dataset, not one run: its text tower is priced over the whole schedule of `config`.
+    schedule = f"text tower over the full schedule of {config}, not this run's"
+    return f"{est.text_store.line()} [{sized_by}; {schedule}; this dataset stores {store}]"

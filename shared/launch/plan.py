@@ -280,10 +280,13 @@ def check_name(name: str) -> str:
 
 # --- the job ----------------------------------------------------------------------------------------
 def program_target(name_or_path: str) -> str:
-    """A config name as every rank should see it: names stay, an existing file becomes an absolute path
-    (Slurm tasks run in the repo root, not where the command was typed)."""
+    """A config as the ranks name it: a name stays; a file in this repo its path from the repo root, which
+    a Slurm task (shared checkout) and a pod (the image's copy) resolve alike; else its absolute path."""
     path = Path(name_or_path)
-    return str(path.resolve()) if path.is_file() else name_or_path
+    if not path.is_file():
+        return name_or_path
+    path = path.resolve()
+    return str(path.relative_to(REPO_ROOT)) if path.is_relative_to(REPO_ROOT) else str(path)
 
 
 # --- this machine ------------------------------------------------------------------------------------

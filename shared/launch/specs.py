@@ -199,19 +199,21 @@ def _sbatch_line(key: str, value: Any) -> str:
     return f"#SBATCH --{key}" if value is True else f"#SBATCH --{key}={value}"
 
 
-def node_resources(topology: Topology) -> dict[str, Any]:
-    """#SBATCH lines for a torchrun job: whole nodes, one task (one torchrun) each.
+def node_resources(topology: Topology, part_of_node: RankResources | None = None) -> dict[str, Any]:
+    """#SBATCH lines for a torchrun job: one task (one torchrun) a node, on whole nodes; or, for a job of
+    part of one node (`part_of_node`: its ranks' CPUs and memory), just those, sharing the node.
 
     `--mem=0` asks for all of each node's memory: with --exclusive alone, a site that sets DefMemPerCPU
     would give the job only that much per CPU.
     """
-    return {
+    lines: dict[str, Any] = {
         "nodes": topology.nodes,
         "ntasks-per-node": 1,
         "gpus-per-node": topology.gpus_per_node,
-        "exclusive": True,
-        "mem": 0,
     }
+    if part_of_node is not None:
+        return {**lines, "cpus-per-task": part_of_node.cpus, "mem": f"{part_of_node.memory_gb}G"}
+    return {**lines, "exclusive": True, "mem": 0}
 
 
 def array_resources(world_size: int, resources: RankResources) -> dict[str, Any]:

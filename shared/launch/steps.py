@@ -9,8 +9,10 @@ from pathlib import Path
 
 from shared.launch.plan import (
     ARRAY_JOB_ID,
+    DEFAULT_GPUS_PER_NODE,
     LaunchError,
     LaunchPlan,
+    RankResources,
     Step,
     Topology,
     check_local_capacity,
@@ -39,7 +41,7 @@ from shared.launch.specs import (
     secret_by_value,
 )
 from shared.launch.supervisor import Supervision
-from shared.launch.validate import check_options, check_value, check_values, parse_sbatch_option
+from shared.launch.validate import SHELL_PATH, check_options, check_value, check_values, parse_sbatch_option
 
 # The pod annotation an Indexed Job sets to the pod's index: node rank i is pod i.
 K8S_COMPLETION_INDEX = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
@@ -62,9 +64,12 @@ def requeue_resources(supervision: Supervision) -> dict[str, object]:
 
 
 def _k8s_notes(plan: LaunchPlan) -> list[str]:
-    if plan.options.launcher == "k8s" and Path(plan.target).is_file():
-        return [f"{plan.target} is a local file: the pods read it from the image, so it must be there too"]
-    return []
+    target = plan.program[2]  # as the pods name it (shared/launch/plan.py program_target)
+    if plan.options.launcher != "k8s" or not Path(plan.target).is_file():
+        return []
+    if Path(target).is_absolute():
+        return [f"{target} is outside this repo: the pods read it from the image, so it must be there too"]
+    return [f"the pods read {target} from the image's copy of this repo: build the image after changing it"]
 
 
 def layout(topology: Topology) -> str:
@@ -79,6 +84,9 @@ def check_plan_values(plan: LaunchPlan) -> None:
     check_values(plan.program, "the config path / key=value overrides")
     check_value(workdir(), "the repo path (run from a checkout whose path has no control characters)")
     check_value(repo_python(), "the Python interpreter path")
+    if plan.options.launcher == "slurm":  # written as bare words, one inside a `bash -c '...'` body
+        for path, what in ((workdir(), "the repo path"), (repo_python(), "the .venv's Python path")):
+            check_value(path, what, SHELL_PATH, "a checkout and .venv under a path without spaces or quotes")
 
 
 def build_steps(plan: LaunchPlan, environ: Mapping[str, str]) -> list[Step]:
@@ -148,10 +156,25 @@ def slurm_nodes_step(plan: LaunchPlan) -> Step:
         "torchrun_flags": inside_single_quotes(flags),
         "program": shlex.join(plan.program),
     }
-    resources = {**node_resources(topo), **requeue_resources(supervision)}
+    resources = {**node_resources(topo, part_of_node(plan)), **requeue_resources(supervision)}
     header = _sbatch_header(plan, layout(topo), plan.name, resources)
     script = render_sbatch(SLURM_NODES, header, values)
     return Step("the sbatch script", SBATCH, stdin=script, file_name=f"{plan.name}.sbatch")
+
+
+def part_of_node(plan: LaunchPlan) -> RankResources | None:
+    """A job of fewer GPUs than a node holds asks for its ranks' CPUs and memory and leaves the rest of the
+    node to other jobs; several nodes, or all of one, are taken whole (and the per-rank flags say so)."""
+    topo, options = plan.topology, plan.options
+    node_gpus = options.gpus_per_node or DEFAULT_GPUS_PER_NODE
+    if topo.nodes == 1 and topo.gpus_per_node < node_gpus and plan.resources is not None:
+        return plan.resources.for_ranks(topo.gpus_per_node)
+    if options.cpus_per_rank or options.mem_per_rank_gb:
+        plan.notes.append(
+            f"{layout(topo)}: the sbatch job takes whole nodes (--exclusive, all their CPUs and memory), so "
+            "--cpus-per-rank / --mem-per-rank-gb do not change what it asks for"
+        )
+    return None
 
 
 def inside_single_quotes(args: list[str]) -> str:
@@ -198,7 +221,8 @@ def k8s_step(plan: LaunchPlan, environ: Mapping[str, str]) -> Step:
     flags = torchrun_args(topo, master, str(options.master_port), "$(RDZV_ID)", torchrun_restarts(plan))
     supervision = plan.supervision or Supervision()
     supervise = ["python", "-m", "shared.launch.supervise", *supervision.flags(), "--"]
-    command = [*supervise, "torchrun", *flags, "-m", *plan.program]
+    # Kubernetes expands $(VAR) in a command and reads $$ as $: the program's words stay literal.
+    command = [*supervise, "torchrun", *flags, "-m", *(word.replace("$", "$$") for word in plan.program)]
     env = [
         {"name": "NODE_RANK", "valueFrom": {"fieldRef": {"fieldPath": K8S_COMPLETION_INDEX}}},
         {"name": "RDZV_ID", "valueFrom": {"fieldRef": {"fieldPath": K8S_JOB_UID}}},

@@ -28,6 +28,8 @@ RFC1123_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")
 # An OCI image reference: registry/path:tag or @sha256:digest.
 IMAGE_REF = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/:@+-]*")
 HOST = re.compile(r"[A-Za-z0-9][A-Za-z0-9.:_-]*")
+# A path a Slurm script names as a bare shell word (the repo, its Python): no spaces, quotes or `$`.
+SHELL_PATH = re.compile(r"[A-Za-z0-9_./+@%:,=~-]+")
 # An extra sbatch option `--key=value`: the key is a long option name, the value one word that sbatch's own
 # #SBATCH parser reads literally (no quotes, backslashes or whitespace; no `{` `}`, the templates' syntax).
 SBATCH_KEY = re.compile(r"[a-z][a-z0-9-]*")
