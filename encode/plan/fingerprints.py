@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from encode.config import EncodeConfig
+from encode.config import EncodeConfig, EncoderConfig
 from encode.plan.integrity import (
     UnsafeOutputError,
     check_shard_entry,
@@ -37,6 +37,7 @@ from shared.contract import CONTRACT_VERSION
 from shared.manifest import Layout, fingerprint
 
 # Bump when the code behind a stage changes its output (see module docstring).
+DEFAULT_PRECISION = EncoderConfig.precision  # fingerprinted only when another is set
 SELECT_CODE_VERSION = 1  # encode/sources.py, encode/process/filters.py
 TEXT_CODE_VERSION = 1  # caption cleaning + how the text tower is run
 IMAGE_CODE_VERSION = (
@@ -98,9 +99,24 @@ def stage_fingerprints(cfg: EncodeConfig, encoders: EncoderIds) -> StageFingerpr
     text_parts: list[Any] = [TEXT_CODE_VERSION, caption, encoders.text, encoders.tokenizer]
     if cfg.text.store != "embeddings":  # appended only then: embeddings datasets keep their fingerprints
         text_parts.append({"store": cfg.text.store})
-    text = fingerprint(text_parts)
+    # The models' inference settings change their outputs (bf16 moved latent means by 3-6.6 posterior
+    # stds, encode/config.py): appended only where not the default, so earlier datasets keep their prints.
+    enc = cfg.encoder
+    precision = [{"precision": enc.precision}] if enc.precision != DEFAULT_PRECISION else []
+    norms = [{"low_precision_norms": True}] if enc.low_precision_norms else []
+    text = fingerprint(text_parts + precision)
     image = {
-        res: fingerprint([IMAGE_CODE_VERSION, res, cfg.transform.resample, cfg.transform.crop, encoders.vae])
+        res: fingerprint(
+            [
+                IMAGE_CODE_VERSION,
+                res,
+                cfg.transform.resample,
+                cfg.transform.crop,
+                encoders.vae,
+                *precision,
+                *norms,
+            ]
+        )
         for res in cfg.transform.resolutions
     }
     return StageFingerprints(select, text, image, cfg.transform.bucket_lists(cfg.filter.max_aspect_ratio))

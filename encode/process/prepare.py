@@ -124,7 +124,9 @@ def prepare_sample(
             buckets[res] = bucket
             out.geometry[res] = (bucket, (height, width), box)  # type: ignore[assignment]
         hit = reuse.latents_for(sample.key, res)
-        if hit is not None and (res not in lists or _latent_fits(hit[0], bucket, cfg)):
+        # A square-only resolution's bucket is its square: latents stored at another bucket of it (the
+        # bucket list is not in the image fingerprint) are encoded again, not written into a square stream.
+        if hit is not None and _latent_fits(hit[0], buckets.get(res, (res, res)), cfg):
             out.latents[res] = hit
         else:
             wanted.append(res)

@@ -125,6 +125,32 @@ def test_encode_writes_one_stream_per_bucket(wds: Path, tmp_path: Path, encoders
         assert len(bucket_rows(out, 64, name)) == bucket["num_samples"]
 
 
+def test_back_to_square_only_reuses_the_square_bucket_and_encodes_the_rest(
+    wds: Path,  # noqa: F811
+    tmp_path: Path,
+    encoders: Encoders,  # noqa: F811
+) -> None:
+    """The bucket list is not in the image fingerprint, so the bucketed latents are offered for reuse: only
+    the square bucket's fit a square stream (the others once crashed the rerun with "Wrong shape")."""
+    out = tmp_path / "out"
+    _, bucketed = encode(make_cfg(wds, out, *BUCKETED), encoders)
+    square_bucket = bucketed.manifest.resolutions[64].buckets["64x64"]["num_samples"]
+    _, square = encode(make_cfg(wds, out, BUCKETED[0]), encoders)
+    kept = square.manifest.resolutions[64].num_samples
+    assert encoders.images_encoded == kept - square_bucket > 0
+    factor = encoders.preset.vae_downsample
+    rows = [row for part in square.manifest.partitions for row in square_rows(out, part, 64)]
+    assert len(rows) == kept and {row[contract.LATENT_MEAN].shape[1:] for row in rows} == {
+        (64 // factor,) * 2
+    }
+
+
+def square_rows(root: Path, part: dict, res: int) -> list[dict]:
+    from encode.plan.reuse import iter_mds_rows
+
+    return list(iter_mds_rows(Layout(str(root)).partition_output(res, part["dirs"][str(res)])))
+
+
 def test_buckets_keep_a_shape_at_the_edge_that_the_centre_crop_cuts_away() -> None:
     """What the model is trained on: a 5:3 picture with a red circle at its left edge. The centre square
     (what every sample was before buckets) holds none of it; the 48x80 bucket holds all of it. What a model

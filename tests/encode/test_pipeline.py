@@ -144,6 +144,21 @@ def test_image_change_recomputes_only_latents(wds: Path, tmp_path: Path, encoder
         assert old[key][contract.TEXT_EMBEDDING].tobytes() == new[key][contract.TEXT_EMBEDDING].tobytes()
 
 
+def test_inference_precision_is_part_of_what_was_encoded(
+    wds: Path, tmp_path: Path, encoders: Encoders
+) -> None:
+    """encoder.precision changes both towers' outputs on a GPU, low-precision norms the VAE's: either redoes
+    what it changes (a CPU computes fp32 whatever is set, so this counts the decisions, not the values)."""
+    out = tmp_path / "out"
+    encode(make_cfg(wds, out), encoders)
+    _, bf16 = encode(make_cfg(wds, out, "encoder.precision=bf16"), encoders)
+    rows = sum(info.num_samples for info in bf16.manifest.resolutions.values())
+    assert encoders.texts_encoded == bf16.manifest.resolutions[LOW].num_samples
+    assert encoders.images_encoded == rows
+    encode(make_cfg(wds, out, "encoder.precision=bf16", "encoder.low_precision_norms=true"), encoders)
+    assert (encoders.texts_encoded, encoders.images_encoded) == (0, rows)
+
+
 def test_new_resolution_encodes_only_that_resolution(wds: Path, tmp_path: Path, encoders: Encoders) -> None:
     out = tmp_path / "out"
     encode(make_cfg(wds, out, f"transform.resolutions=[{LOW}]"), encoders)
