@@ -34,8 +34,10 @@ from shared.manifest import INDEX_NAME
 log = logging.getLogger("encode")
 
 
-def open_mds_readers(folder: str | Path, shapes: contract.Shapes | None = None) -> list[Any]:
-    """Streaming's shard readers for a local MDS folder (one partition output), decompressing if needed.
+def open_mds_readers(folder: str | Path, scratch: str, shapes: contract.Shapes | None = None) -> list[Any]:
+    """Streaming's shard readers for a local MDS folder (one partition output). A shard stored compressed
+    only is decompressed into `scratch` (made when needed), never into `folder`: that may be a published
+    version's, which a half-written file would break for the trainers reading it.
 
     Raises UnsafeOutputError, before reading a row, if the index is not what the contract declares.
     """
@@ -56,18 +58,21 @@ def open_mds_readers(folder: str | Path, shapes: contract.Shapes | None = None) 
     readers = []
     for info in entries:
         reader = reader_from_json(folder, None, info)
-        raw_path = os.path.join(folder, reader.raw_data.basename)
-        if not os.path.exists(raw_path) and reader.zip_data is not None:
+        if not os.path.exists(os.path.join(folder, reader.raw_data.basename)) and reader.zip_data is not None:
             zipped = Path(folder, reader.zip_data.basename).read_bytes()
-            Path(raw_path).write_bytes(decompress(reader.compression, zipped))
+            raw = Path(scratch, reader.raw_data.basename)
+            raw.parent.mkdir(parents=True, exist_ok=True)
+            raw.write_bytes(decompress(reader.compression, zipped))
+            reader = reader_from_json(scratch, None, info)
         readers.append(reader)
     return readers
 
 
 def iter_mds_rows(folder: str | Path) -> Iterator[dict[str, Any]]:
     """Every row of a local MDS folder, in write order."""
-    for reader in open_mds_readers(folder):
-        yield from reader
+    with tempfile.TemporaryDirectory(prefix="mds-rows-") as scratch:
+        for reader in open_mds_readers(folder, scratch):
+            yield from reader
 
 
 RowRef = tuple[Any, int]  # (shard reader, row index in that shard)
@@ -114,13 +119,15 @@ def load_reuse_table(
     A folder the contract does not allow is skipped with a warning: its rows are encoded again.
     """
     table = ReuseTable()
-    for source in sources:
+    scratch = tempfile.mkdtemp(prefix="reuse-")  # decompressed shards, one folder a source
+    table._tmpdirs.append(scratch)
+    for number, source in enumerate(sources):
         folder = _local_copy(source.uri, table)
         if folder is None:
             continue  # gone (garbage-collected): its work is simply redone
         try:
             shapes = shapes_for(source.resolution, source.bucket) if shapes_for else None
-            readers = open_mds_readers(folder, shapes)
+            readers = open_mds_readers(folder, os.path.join(scratch, str(number)), shapes)
         except UnsafeOutputError as err:
             log.warning("not reusing %s, its rows are encoded again: %s", source.uri, err)
             continue

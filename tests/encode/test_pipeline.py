@@ -131,6 +131,21 @@ def test_caption_change_recomputes_only_text(wds: Path, tmp_path: Path, encoders
     )
 
 
+def test_reuse_of_compressed_shards_leaves_the_published_folders_as_they_were(
+    wds: Path, tmp_path: Path, encoders: Encoders
+) -> None:
+    """A rerun reads earlier zstd shards decompressed in a folder of its own: it wrote raw copies into the
+    published version's folders (twice their bytes, and a half-written one broke that version's readers)."""
+    out = tmp_path / "out"
+    encode(make_cfg(wds, out, "output.compression=zstd"), encoders)
+    before = sorted(str(p.relative_to(out)) for p in out.rglob("*.mds*") if "versions" not in p.parts)
+    assert before and all(name.endswith(".zstd") for name in before)
+    encode(make_cfg(wds, out, "output.compression=zstd", "caption.max_chars=12"), encoders)
+    assert encoders.images_encoded == 0, "latents are reused from the compressed shards"
+    after = {str(p.relative_to(out)) for p in out.rglob("*.mds*")}
+    assert set(before) <= after and not any(name.endswith(".mds") for name in after)
+
+
 def test_image_change_recomputes_only_latents(wds: Path, tmp_path: Path, encoders: Encoders) -> None:
     out = tmp_path / "out"
     _, before = encode(make_cfg(wds, out), encoders)

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from encode.pipeline import RankInfo, run_rank
-from encode.plan.reuse import UnsafeOutputError, open_mds_readers
+from encode.plan.reuse import UnsafeOutputError, iter_mds_rows, open_mds_readers
 from encode.process.encoders import Encoders, load_encoders
 from encode.publish.finalize import UnreadableMarkersError, collect_garbage, publish
 from encode.sample_data import build_webdataset
@@ -52,7 +52,7 @@ def plant_pickle_column(folder: Path, canary: Path) -> None:
     """Rewrite a partition output with the same rows plus an undeclared `pkl` column."""
     from streaming import MDSWriter
 
-    rows = [dict(r) for reader in open_mds_readers(folder) for r in reader]
+    rows = [dict(r) for r in iter_mds_rows(folder)]
     first = json.loads((folder / "index.json").read_text())["shards"][0]
     columns = dict(zip(first["column_names"], first["column_encodings"], strict=True))
     shutil.rmtree(folder)
@@ -84,14 +84,16 @@ def test_open_mds_readers_refuses_undeclared_columns_and_paths(tmp_path: Path) -
     with MDSWriter(out=str(good), columns=contract.mds_columns(shapes)) as writer:
         zeros = np.zeros
         writer.write(contract.make_row("k", "c", zeros((4, 2, 2)), zeros((4, 2, 2)), zeros((3, 8))))
-    assert len(open_mds_readers(good, shapes)) == 1
+    assert len(open_mds_readers(good, str(tmp_path / "scratch"), shapes)) == 1
     index = json.loads((good / "index.json").read_text())
     with pytest.raises(UnsafeOutputError, match="latent_mean"):
-        open_mds_readers(good, contract.Shapes((4, 4, 4), (3, 8)))  # wrong shape for this preset
+        open_mds_readers(
+            good, str(tmp_path / "scratch"), contract.Shapes((4, 4, 4), (3, 8))
+        )  # wrong shape for this preset
     index["shards"][0]["raw_data"]["basename"] = "../../escape.mds"
     (good / "index.json").write_text(json.dumps(index))
     with pytest.raises(UnsafeOutputError, match="plain file name"):
-        open_mds_readers(good, shapes)
+        open_mds_readers(good, str(tmp_path / "scratch"), shapes)
 
 
 def test_gc_deletes_nothing_a_planted_marker_names(wds: Path, tmp_path: Path, encoders: Encoders) -> None:
