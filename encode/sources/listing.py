@@ -44,6 +44,8 @@ def list_partitions(cfg: SourceConfig) -> list[Partition]:
 def _resolve_inputs(uri: str) -> tuple[list[storage.FileInfo], str]:
     """Every file the source URI names, and the root that partition ids and keys are relative to."""
     uri = uri.rstrip("/") or uri
+    if "://" not in uri:  # one spelling of a local path (./x, x/, ../d/x, /abs/x): its files' URIs are
+        uri = os.path.abspath(uri)  # in the source fingerprint, so another spelling would redo everything
     if _PATTERN_CHARS.search(uri):
         return _expand_inputs(uri), _static_root(uri)
     if not storage.is_s3(uri) and os.path.isfile(uri):

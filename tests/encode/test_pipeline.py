@@ -6,6 +6,7 @@ every caption and image that went through a model: that is how "only X was recom
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -113,6 +114,18 @@ def test_rerun_is_up_to_date_and_encodes_nothing(wds: Path, tmp_path: Path, enco
     assert (encoders.texts_encoded, encoders.images_encoded) == (0, 0)
     assert summary.partitions_done_before == SHARDS and not summary.markers
     assert not second.new_version and second.manifest.version == first.manifest.version
+
+
+def test_another_spelling_of_the_source_path_is_up_to_date(
+    wds: Path, tmp_path: Path, encoders: Encoders, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = tmp_path / "out"
+    _, first = encode(make_cfg(wds, out), encoders)
+    monkeypatch.chdir(tmp_path)
+    relative = os.path.relpath(wds, tmp_path) + "/./"
+    (summary,), second = encode(make_cfg(relative, out), encoders)
+    assert (encoders.texts_encoded, encoders.images_encoded) == (0, 0)
+    assert summary.partitions_done_before == SHARDS and second.manifest.version == first.manifest.version
 
 
 def test_caption_change_recomputes_only_text(wds: Path, tmp_path: Path, encoders: Encoders) -> None:
