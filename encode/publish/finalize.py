@@ -42,7 +42,7 @@ from shared.buckets import bucket_name
 from shared.config import config_to_dict
 from shared.encoders import TOKENS
 from shared.leases import live_leases
-from shared.manifest import DatasetManifest, Layout, ResolutionInfo, fingerprint, read_manifest
+from shared.manifest import INDEX_NAME, DatasetManifest, Layout, ResolutionInfo, fingerprint, read_manifest
 
 log = logging.getLogger("encode")
 UNFINISHED_SHOWN = 10
@@ -319,7 +319,8 @@ def collect_garbage(
             _delete_inside(layout, by_location[(marker.partition, marker.recipe)], False, refused)
     for uri in reads.unreadable:
         log.warning("gc leaves unreadable done-marker %s alone (delete it by hand once checked)", uri)
-    deleted_dirs = _delete_unwanted_dirs(layout, current, wanted_dirs, dry_run, refused)
+    named = {int(r) for marker in reads.markers for r in marker.outputs}  # dropped resolutions too
+    deleted_dirs = _delete_unwanted_dirs(layout, current, named, wanted_dirs, dry_run, refused)
     stale = [v for v in versions if v not in kept]
     if not dry_run:
         for vid in stale:
@@ -359,13 +360,27 @@ def describe_gc(report: GcReport, dry_run: bool) -> list[str]:
 
 
 def _delete_unwanted_dirs(
-    layout: Layout, current: DatasetManifest, wanted: set[tuple[int, str]], dry_run: bool, refused: list[str]
+    layout: Layout,
+    current: DatasetManifest,
+    resolutions: set[int],
+    wanted: set[tuple[int, str]],
+    dry_run: bool,
+    refused: list[str],
 ) -> list[str]:
-    """Partition output folders (by encode's own naming) that no kept version or newer marker uses."""
+    """Partition output folders (by encode's own naming) that no kept version or newer marker uses, and a
+    root index the current version has none of (dropped, or bucketed now): it names folders that go here."""
     deleted = []
-    for res in current.resolutions:
+    for res in sorted(resolutions | set(current.resolutions)):
         root = layout.stream_root(res)
-        dirs = {storage.relpath(i.uri, root).split("/")[0] for i in storage.list_files(root)}
+        files = storage.list_files(root)
+        info = current.resolutions.get(res)
+        if (info is None or info.buckets is not None) and any(
+            i.uri == layout.current_index(res) for i in files
+        ):
+            deleted.append(f"{res}/{INDEX_NAME}")
+            if not dry_run:
+                _delete_inside(layout, layout.current_index(res), False, refused)
+        dirs = {storage.relpath(i.uri, root).split("/")[0] for i in files}
         for dirname in sorted(d for d in dirs if is_output_dir(d)):
             if (res, dirname) in wanted:
                 continue

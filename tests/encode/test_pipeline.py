@@ -229,6 +229,20 @@ def test_old_version_stays_readable_until_gc(wds: Path, tmp_path: Path, encoders
     assert encoders.images_encoded == 0
 
 
+def test_gc_deletes_a_dropped_resolution_and_its_root_index(
+    wds: Path, tmp_path: Path, encoders: Encoders
+) -> None:
+    out = tmp_path / "out"
+    encode(make_cfg(wds, out), encoders)
+    _, low_only = encode(make_cfg(wds, out, f"transform.resolutions=[{LOW}]"), encoders)
+    layout = Layout(str(out))
+    assert storage.exists(layout.current_index(HIGH))
+    report = collect_garbage(layout, keep=1)
+    assert any(name.startswith(f"{HIGH}/") for name in report.deleted_partition_dirs)
+    assert not storage.list_files(layout.stream_root(HIGH)), "the dropped resolution left files behind"
+    assert len(rows_by_key(out, LOW)) == low_only.manifest.resolutions[LOW].num_samples
+
+
 def test_two_ranks_make_the_same_dataset_as_one(wds: Path, tmp_path: Path, encoders: Encoders) -> None:
     encode(make_cfg(wds, tmp_path / "one"), encoders, ranks=1)
     encode(make_cfg(wds, tmp_path / "two"), encoders, ranks=2)
