@@ -27,7 +27,7 @@ def read_parquet(uri: str, cfg: SourceConfig) -> Iterator[RawSample | Rejected]:
         except (pa.ArrowException, OSError):
             yield Rejected(None, "corrupt_parquet")
             return
-        _check_columns(uri, parquet.schema_arrow.names, cfg)
+        _check_columns(uri, parquet.schema_arrow, cfg)
         seen: set[str] = set()
         for index in range(parquet.num_row_groups):
             group = parquet.metadata.row_group(index)
@@ -65,7 +65,12 @@ def _seekable(uri: str) -> Iterator[IO[bytes]]:
         yield spool
 
 
-def _check_columns(uri: str, names: list[str], cfg: SourceConfig) -> None:
+def _check_columns(uri: str, schema: Any, cfg: SourceConfig) -> None:
+    """The image and caption columns exist and hold bytes and text (a column of another type would fail
+    every row of the file at its first use, far from the cause)."""
+    import pyarrow as pa
+
+    names = schema.names
     for column, setting in ((cfg.image_column, "image_column"), (cfg.caption_column, "caption_column")):
         if column not in names:
             raise SourceError(
@@ -73,6 +78,29 @@ def _check_columns(uri: str, names: list[str], cfg: SourceConfig) -> None:
                 f"source.{setting}, or for img2dataset webdataset output (metadata-only .parquet next to "
                 ".tar files) point source.uri at the .tar files"
             )
+    image, caption = schema.field(cfg.image_column).type, schema.field(cfg.caption_column).type
+    if not (_is_bytes(image) or (pa.types.is_struct(image) and _is_bytes(_struct_field(image, "bytes")))):
+        raise SourceError(
+            f"parquet file {uri}: column {cfg.image_column!r} is {image}, not encoded image files (binary, "
+            "or a struct with a binary `bytes` field as Hugging Face datasets write); set "
+            f"source.image_column to the column that holds them (columns: {', '.join(names)})"
+        )
+    if not (_is_bytes(caption) or pa.types.is_string(caption) or pa.types.is_large_string(caption)):
+        raise SourceError(
+            f"parquet file {uri}: column {cfg.caption_column!r} is {caption}, not text; set "
+            f"source.caption_column to the column that holds the captions (columns: {', '.join(names)})"
+        )
+
+
+def _is_bytes(arrow_type: Any) -> bool:
+    import pyarrow as pa
+
+    return arrow_type is not None and (pa.types.is_binary(arrow_type) or pa.types.is_large_binary(arrow_type))
+
+
+def _struct_field(struct: Any, name: str) -> Any:
+    index = struct.get_field_index(name)
+    return struct.field(index).type if index >= 0 else None
 
 
 def _parquet_rows(
@@ -84,6 +112,8 @@ def _parquet_rows(
     meta_names = [name for name in columns if name != cfg.image_column]
     stem = posixpath.splitext(uri.rsplit("/", 1)[-1])[0]
     for row, image in enumerate(images):
+        if isinstance(image, dict):  # Hugging Face datasets' Image feature: {"bytes": ..., "path": ...}
+            image = image.get("bytes")
         key = str(keys[row]) if keys is not None and keys[row] is not None else f"{stem}-{group_index}-{row}"
         if key in seen:
             yield Rejected(key, "duplicate_key")

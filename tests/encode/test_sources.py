@@ -304,6 +304,35 @@ def test_parquet_without_the_image_column_names_the_fix(tmp_path: Path, wds_dir:
         read_all(part, cfg)
 
 
+def test_parquet_images_as_hugging_face_structs_are_read_and_wrong_types_name_the_column(
+    tmp_path: Path,
+) -> None:
+    """Hugging Face datasets store an Image feature as {bytes, path}; a column of another type was read
+    row by row and failed the whole partition on every run with a TypeError far from the cause."""
+    sample_data.build_image_folder(tmp_path / "imgs", count=2)
+    images = [p.read_bytes() for p in sorted((tmp_path / "imgs").rglob("*.jpg"))]
+    assert len(images) == 2
+    hf = pa.table(
+        {"key": ["a", "b"], "jpg": [{"bytes": b, "path": None} for b in images], "caption": ["x", "y"]}
+    )
+    pq.write_table(hf, tmp_path / "hf.parquet")
+    cfg = SourceConfig(uri=str(tmp_path / "hf.parquet"))
+    rows = read_all(list_partitions(cfg)[0], cfg)
+    assert [r.image for r in rows if isinstance(r, RawSample)] == images
+    for name, table, match in (
+        (
+            "paths",
+            pa.table({"jpg": ["a.jpg"], "caption": ["x"]}),
+            r"column 'jpg' is string, not encoded image",
+        ),
+        ("floats", pa.table({"jpg": images[:1], "caption": [1.0]}), r"column 'caption' is double, not text"),
+    ):
+        pq.write_table(table, tmp_path / f"{name}.parquet")
+        cfg = SourceConfig(uri=str(tmp_path / f"{name}.parquet"))
+        with pytest.raises(SourceError, match=match):
+            read_all(list_partitions(cfg)[0], cfg)
+
+
 # -------------------------------------------------------------------------------------------- folder
 @pytest.fixture
 def image_folder(tmp_path: Path) -> Path:
