@@ -6,6 +6,7 @@ import logging
 import os
 import re
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 from composer.core import Callback, Event, State
 from composer.loggers import Logger
@@ -51,12 +52,14 @@ class CheckpointRetention(Callback):
     hence `post_close`). See checkpoints_to_delete for what may go.
     """
 
-    def __init__(self, save_folder: str, keep: int, interval: str):
+    def __init__(self, save_folder: str, keep: int, interval: Any):
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
         self.save_folder = save_folder
         self.keep = keep
-        self.due = create_interval_scheduler(interval)
+        # The CheckpointSaver's own schedule (train/resilience/monitor.py: saves on a stop and on the clock
+        # too), or an interval string.
+        self.due = interval if callable(interval) else create_interval_scheduler(interval)
         self.saved_since_prune = False
         self.worker: ThreadPoolExecutor | None = None
         self.closed = False

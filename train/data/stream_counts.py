@@ -44,7 +44,9 @@ class StreamSampleCounts(Callback):
     """Cumulative samples per Streaming stream; `totals()` sums them by dataset and by bucket, over ranks
     and earlier attempts."""
 
-    def __init__(self, labels: list[Any], loader: Any, console_interval: str, save_interval: str):
+    def __init__(
+        self, labels: list[Any], loader: Any, console_interval: str, save_interval: str, saves: Any = None
+    ):
         self.labels = list(labels)  # train/data/buckets.py StreamLabel, one per Streaming stream
         self.names = [label.key for label in self.labels]
         self.loader = loader
@@ -54,6 +56,7 @@ class StreamSampleCounts(Callback):
             console_interval, checkpoint_events=False, final_events=ends
         )
         self.save_due = create_interval_scheduler(save_interval, checkpoint_events=False, final_events=ends)
+        self.saves = saves  # the CheckpointSaver's schedule: it also saves on a stop, a deadline, the clock
         self.base = np.zeros(len(self.names), np.int64)  # counted by earlier attempts (from the checkpoint)
         self.synced = self.base.copy()  # the last all-ranks total
         self.logged_step = -1  # the step whose counts were logged last
@@ -85,6 +88,13 @@ class StreamSampleCounts(Callback):
         logger.log_metrics(totals, step=self.logged_step)
         if console and dist.get_global_rank() == 0:
             log.info("samples per stream at step %d: %s", self.logged_step, describe(totals))
+
+    def batch_checkpoint(self, state: State, logger: Logger) -> None:
+        # Before the CheckpointSaver (appended after the job's callbacks): a save the monitor decided at this
+        # step boundary (every rank alike) holds this step's counts, not the last interval's.
+        step = int(state.timestamp.batch)
+        if self.saves is not None and self.logged_step != step and self.saves(state, Event.BATCH_CHECKPOINT):
+            self._sync()
 
     def epoch_end(self, state: State, logger: Logger) -> None:
         elapsed = state.get_elapsed_duration()

@@ -156,10 +156,11 @@ class ArtifactMirror(Callback):
     elsewhere), so the remote copy is extended rather than overwritten.
     """
 
-    def __init__(self, local_dir: str, remote_dir: str, interval: str, restore: tuple[str, ...] = ()):
+    def __init__(self, local_dir: str, remote_dir: str, interval: Any, restore: tuple[str, ...] = ()):
         self.local_dir = Path(local_dir)
         self.remote_dir = remote_dir
-        self.due = create_interval_scheduler(interval)
+        # The CheckpointSaver's schedule (a stop saves, then raises before FIT_END: this is its only sync).
+        self.due = interval if callable(interval) else create_interval_scheduler(interval)
         self.restore = restore
         self.sent: dict[str, tuple[int, int]] = {}
 

@@ -174,11 +174,12 @@ def build_callbacks(ctx: RunContext, model: DiffusionModel, saves: Any = None) -
         from train.eval.callback import build_heldout_eval
 
         callbacks.append(build_heldout_eval(cfg, model.objective, ctx.local_dir))
+    saving = saves or cfg.save_interval  # what the CheckpointSaver saves on: stops and the clock too
     if cfg.save_is_remote():
         restore = (METRICS_FILENAME,)
-        callbacks.append(ArtifactMirror(ctx.local_dir, cfg.save_folder, cfg.save_interval, restore=restore))
+        callbacks.append(ArtifactMirror(ctx.local_dir, cfg.save_folder, saving, restore=restore))
     if save_folder_keep(cfg) > 0:
-        callbacks.append(CheckpointRetention(cfg.save_folder, save_folder_keep(cfg), cfg.save_interval))
+        callbacks.append(CheckpointRetention(cfg.save_folder, save_folder_keep(cfg), saving))
     return callbacks
 
 
@@ -191,14 +192,15 @@ def dataset_leases(ctx: RunContext) -> list[Any]:
     return [DatasetLease(s.pinned.root, s.pinned.version, ctx.run_name) for s in ctx.streams]
 
 
-def stream_callbacks(ctx: RunContext, dataloader: Any, labels: list[Any]) -> list[Any]:
+def stream_callbacks(ctx: RunContext, dataloader: Any, labels: list[Any], saves: Any = None) -> list[Any]:
     """Sample counts per dataset of a data.streams mix and per bucket of bucketed data
     (train/data/stream_counts.py); `labels`: one per Streaming stream (train/data/buckets.py)."""
     from train.data.stream_counts import StreamSampleCounts
 
     if not labels:
         return []
-    return [StreamSampleCounts(labels, dataloader, ctx.cfg.log.console_interval, ctx.cfg.save_interval)]
+    cfg = ctx.cfg  # `saves`: the CheckpointSaver's schedule, so a save on a stop holds its step's counts
+    return [StreamSampleCounts(labels, dataloader, cfg.log.console_interval, cfg.save_interval, saves)]
 
 
 def save_folder_keep(cfg: TrainConfig) -> int:
@@ -338,7 +340,7 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
             callbacks=[
                 monitor,
                 *build_callbacks(ctx, model, saves=monitor),
-                *stream_callbacks(ctx, dataloader, labels),
+                *stream_callbacks(ctx, dataloader, labels, saves=monitor),
             ],
             loggers=build_loggers(ctx),
             run_name=ctx.run_name,

@@ -1,7 +1,8 @@
 """A data.streams mix resumes exactly past the first epoch, with `choose` (a subsample drawn anew each epoch)
-and `repeat` (an upsample), after a SIGKILL on 1 rank and across 1 <-> 2 ranks: the same samples per stream,
-the same losses and the same weights as the uninterrupted run (Streaming's issue #869 reports resumes past the
-first epoch going wrong with choose/repeat; its resume state is only (epoch, samples into it)).
+and `repeat` (an upsample), after a SIGTERM stop and a SIGKILL on 1 rank and across 1 <-> 2 ranks: the
+same samples per stream, the same losses and the same weights as the uninterrupted run (Streaming's issue
+#869 reports resumes past the first epoch going wrong with choose/repeat; its resume state is only (epoch,
+samples into it)).
 
 The mix: `tiny_dataset` (64 rows) with choose 8 and `tiny_dataset_b` (32 rows) with repeat 1.25 (8 of its
 rows twice) = 48, so one epoch is 48 samples = 6 global batches of 8. Checkpoints every 8 batches: the
@@ -16,7 +17,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -100,24 +103,39 @@ def assert_matches(baseline: Baseline, resumed: Path, weight_atol: float, exact:
 
 
 @pytest.mark.slow
-def test_mix_killed_past_the_first_epoch_resumes_exactly(baseline: Baseline, tmp_path: Path) -> None:
+def test_mix_stopped_between_saves_then_killed_past_the_first_epoch_resumes_exactly(
+    baseline: Baseline, tmp_path: Path
+) -> None:
+    """A SIGTERM saves the step it lands on (not an interval one: the per-stream counts must be that step's,
+    they were the last interval's), exit 75; the rerun is killed after its batch-8 checkpoint; the third
+    attempt ends on the uninterrupted run's counts, losses and weights."""
     save, log = tmp_path / "save", tmp_path / "run.log"
     args = ["fit", "tiny", *overrides(baseline.a, baseline.b, save, 16)]
     with log.open("a") as handle:
         proc = run_train_cli(args, stdout=handle, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + RUN_TIMEOUT_S
-    while not (save / "latest-rank0.pt").exists():
-        assert proc.poll() is None, log.read_text()[-3000:]
-        assert time.monotonic() < deadline, "no checkpoint appeared"
-        time.sleep(0.02)
+    wait_until(lambda: (save / "metrics.jsonl").exists() and rows(save), proc, log)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=RUN_TIMEOUT_S) == 75, log.read_text()[-3000:]
+    stopped = os.path.realpath(save / "latest-rank0.pt")
+    assert not stopped.endswith(("ba8-rank0.pt", "ba16-rank0.pt")), stopped  # between interval saves
+    with log.open("a") as handle:
+        proc = run_train_cli(args, stdout=handle, stderr=subprocess.STDOUT)
+    wait_until(lambda: os.path.realpath(save / "latest-rank0.pt").endswith("ep1-ba8-rank0.pt"), proc, log)
     proc.send_signal(signal.SIGKILL)
     assert proc.wait() == -signal.SIGKILL
-    assert os.path.realpath(save / "latest-rank0.pt").endswith("ep1-ba8-rank0.pt")
     with log.open("a") as handle:
         resumed = run_train_cli(args, stdout=handle, stderr=subprocess.STDOUT)
         assert resumed.wait(timeout=RUN_TIMEOUT_S) == 0, log.read_text()[-3000:]
-    assert "autoresume: continuing from" in log.read_text()
+    assert log.read_text().count("autoresume: continuing from") == 2
     assert_matches(baseline, save, weight_atol=0.0, exact=True)
+
+
+def wait_until(ready: Callable[[], Any], proc: subprocess.Popen, log: Path) -> None:
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while not ready():
+        assert proc.poll() is None, log.read_text()[-3000:]
+        assert time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.02)
 
 
 @pytest.mark.dist

@@ -19,6 +19,7 @@ After each launch a node leaves nothing in its temp folder or /dev/shm but what 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -33,6 +34,7 @@ from typing import Any
 
 import pytest
 
+from shared import storage
 from shared.launch import control
 from shared.launch.supervisor import CONTROL_PREFIX, alive, descendants
 from tests.leftovers import RUN_KEEPS, private_shm_works, processes_naming, short_folder
@@ -185,6 +187,11 @@ def saved_batch(save: str) -> int:
     return int(latest.split("-ba")[1].split("-")[0])
 
 
+def metric_steps(save: str) -> set[int]:
+    """The steps of the metrics.jsonl rank 0 mirrors into an s3:// save folder."""
+    return {json.loads(line)["step"] for line in storage.read_bytes(f"{save}/metrics.jsonl").splitlines()}
+
+
 def assert_nothing_left(node: Node) -> None:
     """The node's temp folder holds only what the run keeps; its /dev/shm held nothing when it exited (a
     killed generation's `sem.mp-*` semaphores included: shared/launch/ranks.py orphan_semaphores)."""
@@ -237,6 +244,7 @@ def test_failures_and_a_sigterm_on_two_nodes_end_on_the_uninterrupted_runs_weigh
         hang_then_lose_node_1(rerun, stopped)
         assert f"ba{stopped}" in rerun.nodes[0].text().split("autoresume: continuing from")[1].splitlines()[0]
     assert_matches(ref_save, save)
+    assert metric_steps(save) == set(range(1, MAX_BATCHES + 1))
 
 
 def crash_then_sigterm(job: Job) -> int:
@@ -254,6 +262,8 @@ def crash_then_sigterm(job: Job) -> int:
     assert job.finish(node0, node1) == [control.EXIT_RESUMABLE] * 2, job.logs()
     stopped = saved_batch(job.save)
     assert 5 <= stopped < MAX_BATCHES
+    # The stop's save mirrored the run folder too (it ends before FIT_END): a rerun elsewhere continues it.
+    assert max(metric_steps(job.save)) == stopped
     assert "torchrun restarted every node's ranks" in node0.text()
     for node in (node0, node1):  # every node's ranks saved the same step and said so
         assert f"stopped at batch {stopped} on" in node.text() and "rerun the same command" in node.text()
