@@ -118,7 +118,7 @@ def plan_train(
         plan.cluster.append(text_store)
     else:  # priced at SD2-base sizes and schedule: a reference for scale, not this run's storage
         plan.reference.append(f"not this run: {text_store}")
-    plan.cluster += plan_lines(cfg.data, cfg.seed if cfg.data.shuffle_seed is None else cfg.data.shuffle_seed)
+    plan.cluster += plan_lines(cfg.data, cfg.shuffle_seed())
     shape = run_shape(cfg, topology, write_gb_per_s, step[0] if step else None)
     plan.cluster += resilience_lines(cfg, shape, exit_lead_s(cfg, shape.save_s))
     params = PRESET_PARAMS.get(cfg.model.preset)
@@ -308,7 +308,7 @@ def run_estimate(cfg: TrainConfig, gpus: int, gpu_type: str) -> tuple[str, Phase
     if samples is None:
         return f"{what}; no time or cost: give max_duration in batches (e.g. 550000ba) to price it", None
     # a bucket mix is priced as the square samples of the same FLOPs (pixels; train/data/mix.py)
-    factor = data_cost_factor(cfg.data, cfg.seed if cfg.data.shuffle_seed is None else cfg.data.shuffle_seed)
+    factor = data_cost_factor(cfg.data, cfg.shuffle_seed())
     priced = round(samples * factor)
     if priced != samples:
         what += f" (bucket mix: compute x{factor:.3f}, priced as {priced:,} square samples)"

@@ -317,17 +317,17 @@ class TinyRun:
 
 
 @pytest.fixture(scope="session")
-def tiny_run(tiny_dataset: str, tmp_path_factory: pytest.TempPathFactory) -> TinyRun:
+def tiny_run(tiny_dataset: str, tiny_dataset_b: str, tmp_path_factory: pytest.TempPathFactory) -> TinyRun:
     """12 batches of the tiny job (checkpoints, sample grids and a held-out loss at 6 and 12); EMA smoothing
-    0.9 so the average visibly differs from the training weights. The eval (8 samples x 2 timesteps of the
-    training data, 8 forwards each time) is what tests/train/eval reproduces from the checkpoints."""
+    0.9 so the average visibly differs from the training weights. The eval (8 samples x 2 timesteps of
+    `tiny_dataset_b`, 8 forwards each time) is what tests/train/eval reproduces from the checkpoints."""
     from train.loop.trainer import fit
 
     base = tmp_path_factory.mktemp("tiny-run")
     cfg = tiny_config(
         tiny_dataset, base / "save", base / "cache",
         "max_duration=12ba", "save_interval=6ba", "samples.interval=6ba", "ema.smoothing=0.9",
-        "log.tensorboard=true", f"eval.uri={tiny_dataset}", "eval.interval=6ba", *TINY_RUN_EVAL,
+        "log.tensorboard=true", f"eval.uri={tiny_dataset_b}", "eval.interval=6ba", *TINY_RUN_EVAL,
     )  # fmt: skip
     with single_threaded_torch():
         return TinyRun(cfg, fit(cfg))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Literal
 
@@ -153,6 +154,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         self._check_model()
         check_eval(self.eval, self.model.num_train_timesteps)
+        self._check_eval_is_held_out()
         if not self.save_folder:
             raise ConfigError("save_folder is empty: set it in the train YAML or pass save_folder=...")
         if self.load_weights_only and not self.load_path:
@@ -166,6 +168,16 @@ class TrainConfig:
         if self.device == "cpu" and self.precision.startswith("amp"):
             raise ConfigError(f"precision={self.precision} needs a GPU; CPU training runs precision=fp32")
         self._check_compile_mode()
+
+    def _check_eval_is_held_out(self) -> None:
+        """A held-out loss computed on the training data would only look like one."""
+        trained = [uri for uri in (self.data.uri, *(s.uri for s in self.data.streams)) if uri]
+        same = [uri for uri in trained if self.eval.uri and one_place(uri) == one_place(self.eval.uri)]
+        if same:
+            raise ConfigError(
+                f"eval.uri={self.eval.uri} is data this run trains on ({same[0]}): its loss would not be "
+                "held out; point eval.uri at a dataset encoded from samples kept out of training, or eval.uri=''"
+            )
 
     def _check_compile_mode(self) -> None:
         if self.compile_mode != "default" and self.compile_backend != "inductor":
@@ -213,6 +225,10 @@ class TrainConfig:
     def resolved_run_name(self) -> str:
         """Stable across reruns of the same command: autoresume looks for this run's checkpoints."""
         return self.run_name or f"{self.name}-{fingerprint(self.save_folder.rstrip('/'))[:8]}"
+
+    def shuffle_seed(self) -> int:
+        """The seed of the data order: data.shuffle_seed, else the run's seed."""
+        return self.seed if self.data.shuffle_seed is None else self.data.shuffle_seed
 
     def uses_fsdp(self, world_size: int) -> bool:
         """fsdp as asked, or (null) when the run has more than one rank: one has nothing to shard."""
@@ -262,3 +278,8 @@ class TrainConfig:
     def ema_smoothing_per_update(self) -> float:
         """Per-update smoothing that keeps ema.smoothing's half-life in optimizer steps."""
         return self.ema.smoothing ** self.ema_update_every()
+
+
+def one_place(uri: str) -> str:
+    """One spelling of a dataset location: s3:// as given without a trailing /, a local path absolute."""
+    return uri.rstrip("/") if storage.is_s3(uri) else os.path.abspath(uri)

@@ -55,12 +55,16 @@ def batching_method(requested: str, bucketed: bool) -> str:
     return "per_stream"
 
 
-def usable_buckets(pinned: PinnedData, global_batch: int) -> dict[str, str]:
-    """The buckets with at least one global batch of samples (Streaming's per_stream needs that)."""
+def bucket_counts(pinned: PinnedData) -> dict[str, int]:
     info = pinned.manifest.resolutions[pinned.resolution]
-    counts = {name: (info.buckets or {})[name]["num_samples"] for name in pinned.buckets}
+    return {name: (info.buckets or {})[name]["num_samples"] for name in pinned.buckets}
+
+
+def usable_buckets(pinned: PinnedData, global_batch: int, warn: bool = True) -> dict[str, str]:
+    """The buckets with at least one global batch of samples (Streaming's per_stream needs that)."""
+    counts = bucket_counts(pinned)
     small = sorted(name for name, n in counts.items() if n < global_batch)
-    if small:
+    if small and warn:
         log.warning(
             "%s: bucket(s) %s hold fewer samples than one global batch (%d) and are not trained on (%s of "
             "%d samples); encode more data or lower global_batch_size",
@@ -90,7 +94,7 @@ def split_weight(weight: tuple[str, float | int] | None, counts: list[int]) -> l
 
 
 def bucket_streams(
-    entries: list[tuple[str, PinnedData, tuple[str, float | int] | None]],
+    entries: list[Entry],
     global_batch: int,
     download_timeout: float,
 ) -> tuple[list[Any], list[StreamLabel]]:
@@ -107,8 +111,7 @@ def bucket_streams(
             labels.append(StreamLabel(name, ""))
             continue
         usable = usable_buckets(pinned, global_batch)
-        info = pinned.manifest.resolutions[pinned.resolution]
-        counts = [(info.buckets or {})[b]["num_samples"] for b in usable]
+        counts = [bucket_counts(pinned)[b] for b in usable]
         for (bucket, local), extra in zip(usable.items(), split_weight(weight, counts), strict=True):
             streams.append(Stream(local=local, **common, **extra))
             labels.append(StreamLabel(name, bucket))
@@ -118,6 +121,45 @@ def bucket_streams(
             "buckets (transform.buckets) or lower global_batch_size"
         )
     return streams, labels
+
+
+Entry = tuple[str, "PinnedData", "tuple[str, float | int] | None"]  # (dataset name, its data, weight)
+
+
+def stream_entries(pinned: PinnedData, mix: list[PinnedStream]) -> list[Entry]:
+    """(name, pinned data, weight) of each dataset a run reads: every stream of a mix, or the one dataset."""
+    return [(s.name, s.pinned, s.cfg.weight()) for s in mix] or [("", pinned, None)]
+
+
+def check_bucket_epochs(
+    entries: list[Entry],
+    global_batch: int,
+    epoch_size: int | None,
+    seed: int,
+) -> None:
+    """Refuse, before any model is built, a bucket stream that a weighted mix (or data.epoch_size) gives
+    less than one global batch an epoch: Streaming's per_stream batching stops on it mid-start."""
+    from train.data.mix import epoch_counts
+
+    if not is_bucketed([pinned for _, pinned, _ in entries]):
+        return
+    names, weights, sizes = [], [], []
+    for name, pinned, weight in entries:
+        counts = bucket_counts(pinned)
+        usable = list(usable_buckets(pinned, global_batch, warn=False)) if pinned.buckets else [""]
+        sized = [counts[b] for b in usable] if pinned.buckets else [pinned.num_samples]
+        for bucket, extra, size in zip(usable, split_weight(weight, sized), sized, strict=True):
+            names.append(" ".join(p for p in (name or pinned.root, bucket and f"bucket {bucket}") if p))
+            weights.append(next(iter(extra.items()), None))
+            sizes.append(size)
+    got = epoch_counts(weights, sizes, epoch_size, seed)
+    short = [f"{n}: {c} samples" for n, c in zip(names, got, strict=True) if c < global_batch]
+    if short:
+        raise DataError(
+            f"bucketed data: each bucket is a stream that needs one global batch ({global_batch}) an epoch, "
+            f"and its weight in the mix gives fewer ({'; '.join(short)}): raise that dataset's proportion "
+            "(or choose / repeat, or data.epoch_size), encode more data, or lower global_batch_size"
+        )
 
 
 def run_streams(
@@ -137,8 +179,7 @@ def run_streams(
         if not mix:
             return None, [], method
         return streams_to_streaming(mix, download_timeout), [StreamLabel(s.name, "") for s in mix], method
-    entries = [(s.name, s.pinned, s.cfg.weight()) for s in mix] or [("", pinned, None)]
-    streams, labels = bucket_streams(entries, global_batch, download_timeout)
+    streams, labels = bucket_streams(stream_entries(pinned, mix), global_batch, download_timeout)
     return streams, labels, method
 
 

@@ -20,6 +20,7 @@ from shared.storage import private_temp_dir
 from train.checkpoints.files import find_latest_checkpoint, resolve_checkpoint
 from train.config import TrainConfig, time_count
 from train.config.memory import memory_plan_line  # the dry-run plan says the same line
+from train.data.buckets import check_bucket_epochs, stream_entries
 from train.data.loader import PinnedData, pin_version, read_dataset_manifest
 from train.data.mix import (
     PinnedStream,
@@ -116,9 +117,9 @@ def prepare_data(cfg: TrainConfig) -> tuple[DatasetManifest, PinnedData, list[Pi
 
 def stream_epoch_counts(cfg: TrainConfig, streams: list[PinnedStream]) -> list[int]:
     """Samples each stream gives per epoch (Streaming's weighting arithmetic, train/data/mix.py)."""
-    seed = cfg.seed if cfg.data.shuffle_seed is None else cfg.data.shuffle_seed
     weights = [s.cfg.weight() for s in streams]
-    return epoch_counts(weights, [s.pinned.num_samples for s in streams], cfg.data.epoch_size, seed)
+    sizes = [s.pinned.num_samples for s in streams]
+    return epoch_counts(weights, sizes, cfg.data.epoch_size, cfg.shuffle_seed())
 
 
 def local_run_dir(cfg: TrainConfig, run_name: str) -> str:
@@ -270,6 +271,8 @@ def prepare_run(cfg: TrainConfig) -> RunContext:
     check_cuda_graphs(cfg, device, batching.grad_accum)
     log_gpu_memory_fit(cfg, device, world)
     manifest, pinned, streams = prepare_data(cfg)
+    entries = stream_entries(pinned, streams)  # refused here, before any model is built:
+    check_bucket_epochs(entries, batching.global_batch, cfg.data.epoch_size, cfg.shuffle_seed())
     run_name = cfg.resolved_run_name()
     ctx = RunContext(
         cfg=cfg,

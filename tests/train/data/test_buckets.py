@@ -100,6 +100,26 @@ def test_a_bucketed_dataset_in_a_mix(tiny_bucketed_dataset: str, tiny_dataset_b:
     }
 
 
+def test_a_mix_weight_that_leaves_a_bucket_less_than_a_batch_an_epoch_is_refused_before_a_model(
+    tiny_bucketed_dataset: str, tiny_dataset_b: str, tmp_path: Path
+) -> None:
+    """88 samples an epoch; 0.1 of them for the bucketed dataset is 2-4 a bucket, under one global batch of
+    8: Streaming's per_stream batching stopped on it with a traceback after the model was built."""
+    from train.data.streaming_host import DataError
+    from train.loop.prepare import prepare_run
+
+    def mix(share: float) -> Any:
+        streams = stream_overrides(
+            f"{{uri: {tiny_bucketed_dataset}, name: laion, proportion: {share}}}",
+            f"{{uri: {tiny_dataset_b}, name: coyo, proportion: {1 - share}}}",
+        )
+        return tiny_config("", tmp_path / "save", tmp_path / "cache", *streams, "samples.enabled=false")
+
+    with pytest.raises(DataError, match=r"laion bucket 80x48: 2 samples; laion bucket 64x64: 3 samples"):
+        prepare_run(mix(0.1))
+    prepare_run(mix(0.7))  # 61 samples: 17, 26 and 17 a bucket
+
+
 def test_split_weight_keeps_the_dataset_weight() -> None:
     assert split_weight(None, [1, 2]) == [{}, {}]
     assert split_weight(("repeat", 2.0), [1, 3]) == [{"repeat": 2.0}, {"repeat": 2.0}]

@@ -14,7 +14,7 @@ import torch
 
 from shared.config import ConfigError
 from shared.contract import LATENT_LOGVAR, LATENT_MEAN, TEXT_EMBEDDING
-from tests.train.conftest import REPO_ROOT, TinyRun, tiny_config
+from tests.train.conftest import REPO_ROOT, TinyRun, stream_overrides, tiny_config
 from train.config import EvalConfig, ModelConfig
 from train.eval.checkpoint import eval_config, evaluate_checkpoint
 from train.eval.cost import num_batches
@@ -88,6 +88,11 @@ def test_config_checks_the_eval_section(tiny_dataset: str, tmp_path) -> None:
         tiny_config(tiny_dataset, tmp_path / "s", tmp_path / "c", "eval.num_samples=0")
     with pytest.raises(ConfigError, match=r"eval\.interval"):
         tiny_config(tiny_dataset, tmp_path / "s", tmp_path / "c", "eval.interval=0.5dur")
+    with pytest.raises(ConfigError, match=r"is data this run trains on .*would not be held out"):
+        tiny_config(tiny_dataset, tmp_path / "s", tmp_path / "c", f"eval.uri={tiny_dataset}/")
+    streams = stream_overrides("{uri: s3://b/laion, name: laion}", f"{{uri: {tiny_dataset}, name: mine}}")
+    with pytest.raises(ConfigError, match=r"is data this run trains on"):
+        tiny_config("", tmp_path / "s", tmp_path / "c", *streams, f"eval.uri={tiny_dataset}")
 
 
 def fake_rows(n: int, indices: list[int]) -> EvalRows:

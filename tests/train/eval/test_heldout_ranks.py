@@ -22,13 +22,15 @@ EVAL = ["eval.interval=2ba", "eval.num_samples=5", "eval.timesteps=[50,500,950]"
 
 @pytest.mark.dist
 @pytest.mark.slow
-def test_two_ranks_log_what_one_process_computes(tiny_dataset: str, tmp_path: Path) -> None:
+def test_two_ranks_log_what_one_process_computes(
+    tiny_dataset: str, tiny_dataset_b: str, tmp_path: Path
+) -> None:
     save = tmp_path / "save"
     overrides = tiny_overrides(tiny_dataset, save, tmp_path / "cache", "max_duration=4ba")
     argv = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1", "--nproc-per-node=2",
         "-m", "train", "fit", "tiny", *overrides, "samples.enabled=false", "save_interval=2ba",
-        "ema.smoothing=0.9", f"eval.uri={tiny_dataset}", *EVAL,
+        "ema.smoothing=0.9", f"eval.uri={tiny_dataset_b}", *EVAL,
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "NODE_RANK": "0"}
     done = subprocess.run(argv, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
