@@ -168,7 +168,7 @@ class PartitionWriter:
         size = sum(p.stat().st_size for p in local.iterdir() if p.is_file())
         shards = json.loads((local / INDEX_NAME).read_text())["shards"]
         dirname = self.plan.outputs[res]
-        storage.upload_dir(local, self.layout.partition_output(res, dirname))
+        _put_in_place(local, self.layout.partition_output(res, dirname))
         return {"dir": dirname, "num_samples": self.rows[(res, None)], "bytes": size, "shards": shards}
 
     def _publish_buckets(self, res: int, local: Path) -> dict[str, object]:
@@ -185,7 +185,7 @@ class PartitionWriter:
         if not total:
             return {"dir": None, "num_samples": 0, "bytes": 0, "shards": [], "buckets": {}}
         dirname = self.plan.outputs[res]
-        storage.upload_dir(local, self.layout.partition_output(res, dirname))
+        _put_in_place(local, self.layout.partition_output(res, dirname))
         size = sum(int(b["bytes"]) for b in buckets.values())  # type: ignore[call-overload]
         return {"dir": dirname, "num_samples": total, "bytes": size, "shards": [], "buckets": buckets}
 
@@ -199,6 +199,28 @@ class PartitionWriter:
         with _STAGING_LOCK:
             if parent.exists() and not os.listdir(parent):
                 parent.rmdir()
+
+
+def _put_in_place(local: Path, uri: str) -> None:
+    """Move a partition output into place, unless the same one is there already: its name is its output
+    fingerprint, so a rerun for another resolution writes this one again identically, and replacing a local
+    folder deletes it first, under the trainers of the version that publishes it (S3 overwrites each object
+    at once, so there it is simply uploaded again)."""
+    if not storage.is_s3(uri) and _same_files(local, Path(uri)):
+        return  # the staging copy goes with the partition's staging folder
+    storage.upload_dir(local, uri)
+
+
+def _same_files(local: Path, target: Path) -> bool:
+    """Every file of `local` is in `target` with its size, and every MDS index byte for byte."""
+    files = [p for p in local.rglob("*") if p.is_file()]
+    for path in files:
+        there = target / path.relative_to(local)
+        if not there.is_file() or there.stat().st_size != path.stat().st_size:
+            return False
+        if path.name == INDEX_NAME and there.read_bytes() != path.read_bytes():
+            return False
+    return bool(files)
 
 
 def _counts(counter: Counter[str]) -> dict[str, object]:

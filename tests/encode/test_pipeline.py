@@ -189,10 +189,19 @@ def test_inference_precision_is_part_of_what_was_encoded(
 
 def test_new_resolution_encodes_only_that_resolution(wds: Path, tmp_path: Path, encoders: Encoders) -> None:
     out = tmp_path / "out"
-    encode(make_cfg(wds, out, f"transform.resolutions=[{LOW}]"), encoders)
+    _, before = encode(make_cfg(wds, out, f"transform.resolutions=[{LOW}]"), encoders)
+    folders = Path(Layout(str(out)).stream_root(LOW))
+    published = {p.name: p.stat().st_ino for p in folders.iterdir() if p.is_dir()}
     _, after = encode(make_cfg(wds, out, f"transform.resolutions=[{LOW},{HIGH}]"), encoders)
     assert encoders.texts_encoded == 0
     assert encoders.images_encoded == after.manifest.resolutions[HIGH].num_samples
+    # The low resolution's outputs keep their names, and their folders stay as they were: replacing one
+    # deleted it first, under the trainers of the version that publishes it.
+    assert [p["dirs"][str(LOW)] for p in after.manifest.partitions] == [
+        p["dirs"][str(LOW)] for p in before.manifest.partitions
+    ]
+    for name, inode in published.items():
+        assert (folders / name).stat().st_ino == inode, name
 
 
 def test_filter_change_encodes_only_newly_admitted(wds: Path, tmp_path: Path, encoders: Encoders) -> None:
