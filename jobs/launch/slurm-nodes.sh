@@ -25,6 +25,10 @@ ask_ranks_to_save() {
 }
 trap 'ask_ranks_to_save USR1' USR1
 trap 'ask_ranks_to_save TERM' TERM
+# A node whose ranks saved and stopped (resumable) marks it here and exits 0: srun's --kill-on-bad-exit takes
+# any other code for a failure and SIGKILLs the nodes still finishing their part of the same save.
+STOPPED=".slurm-stopped-$SLURM_JOB_ID-$SEGMENT"
+export STOPPED
 
 # One task per node; each starts the supervisor, which starts torchrun, which starts one rank per GPU.
 # NODE_RANK (the Slurm node id) labels the node's log lines; the ranks take Composer's NODE_RANK from the
@@ -33,7 +37,8 @@ trap 'ask_ranks_to_save TERM' TERM
 # CPU for its ranks and data loaders (srun's default is one CPU per task).
 srun --nodes={{nodes}} --ntasks-per-node=1 --cpus-per-task="$SLURM_CPUS_ON_NODE" --kill-on-bad-exit=1 bash -c '
 export NODE_RANK="$SLURM_NODEID"
-exec {{python}} -m shared.launch.supervise {{supervise_flags}} -- "$0" {{torchrun_flags}} "$@"' \
+exec {{python}} -m shared.launch.supervise {{supervise_flags}} --stopped-mark "$STOPPED/node-$SLURM_NODEID" \
+  -- "$0" {{torchrun_flags}} "$@"' \
   {{torchrun}} -m {{program}} &
 SRUN_PID=$!
 # A trapped signal makes `wait` return early: wait again until srun itself has exited.
@@ -43,6 +48,10 @@ while true; do
   RC=$?
   kill -0 "$SRUN_PID" 2>/dev/null || break
 done
+if [ "$RC" -eq 0 ] && [ -n "$(ls -A "$STOPPED" 2>/dev/null)" ]; then
+  RC=75  # every node ended well, and they saved and stopped: resumable
+fi
+rm -rf "$STOPPED"
 set -e
 if [ "$RC" -eq 75 ]; then
   if [ "$SEGMENT" -lt {{max_requeues}} ]; then

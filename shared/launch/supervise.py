@@ -1,16 +1,18 @@
 """`python -m shared.launch.supervise [flags] -- torchrun ...`: one node's supervisor, as sbatch scripts and
 Kubernetes pods start it (the local launcher calls shared/launch/supervisor.py directly). Exits with the
-supervisor's code (shared/launch/control.py). On Slurm it reads the job's end time and asks the ranks to
-save `--deadline-lead-s` seconds before it."""
+supervisor's code (shared/launch/control.py), except a resumable stop with `--stopped-mark` (written, exit 0).
+On Slurm it reads the job's end time and asks the ranks to save `--deadline-lead-s` seconds before it."""
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Annotated
 
 import typer
 
+from shared.launch import control
 from shared.launch.deadline import slurm_end_time
 from shared.launch.supervisor import Supervision, Supervisor
 
@@ -36,12 +38,23 @@ def supervise(
     elastic: Annotated[
         bool, typer.Option("--elastic", help="several nodes: torchrun restarts the ranks; only watch")
     ] = False,
+    stopped_mark: Annotated[
+        str | None,
+        typer.Option(help="on a resumable stop write this file and exit 0 instead of 75 (srun, below)"),
+    ] = None,
 ) -> None:
     """Run COMMAND (torchrun ...) under one node's supervisor; exits with its code."""
     supervision = Supervision(max_restarts, hang_timeout_s, max_wall_time_s, deadline_lead_s, elastic=elastic)
     end = slurm_end_time()
     deadline = None if end is None else end - supervision.deadline_lead_s
-    raise typer.Exit(Supervisor(command, supervision, deadline=deadline).run())
+    code = Supervisor(command, supervision, deadline=deadline).run()
+    if stopped_mark and code == control.EXIT_RESUMABLE:
+        # srun --kill-on-bad-exit SIGKILLs every other node when one task exits non-zero: the nodes still
+        # finishing their part of this same save would lose it, and srun's own code would no longer be 75.
+        Path(stopped_mark).parent.mkdir(parents=True, exist_ok=True)
+        Path(stopped_mark).write_text(f"{code}\n")
+        code = control.EXIT_DONE
+    raise typer.Exit(code)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -459,6 +459,78 @@ def test_rendered_slurm_script_rendezvouses_two_nodes(tmp_path: Path) -> None:
     assert records[0]["argv"] == ["--flag", "a b"]
 
 
+# srun as the Slurm docs describe it: one task per node; a task exiting non-zero ends the step
+# (--kill-on-bad-exit: SIGKILL to every other task); srun's code is the highest exit code, or 128 + the
+# signal of a task that was killed.
+KILL_ON_BAD_EXIT_SRUN = """\
+#!/bin/bash
+while [[ "$1" == --* ]]; do shift; done
+pids=()
+for ((i = 0; i < SLURM_NNODES; i++)); do SLURM_NODEID=$i setsid "$@" & pids+=($!); done
+rc=0
+while ((${#pids[@]})); do
+  for i in "${!pids[@]}"; do
+    pid=${pids[$i]}
+    kill -0 "$pid" 2>/dev/null && continue
+    wait "$pid"; code=$?
+    unset "pids[$i]"
+    ((code > rc)) && rc=$code
+    if ((code != 0)); then for other in "${pids[@]}"; do kill -9 -- "-$other" 2>/dev/null; done; fi
+  done
+  sleep 0.05
+done
+exit $rc
+"""
+# torchrun's stand-in: the ranks recorded a resumable stop (train/resilience/exits.py); node 1 takes longer.
+RESUMABLE_TORCHRUN = """\
+#!/bin/bash
+printf '{"state": "resumable", "batch": 3, "message": "stopped at batch 3"}' > "$SD_CONTROL_DIR/exit.json"
+sleep $((SLURM_NODEID * 3))
+echo "node $SLURM_NODEID saved" >> "$SAVED"
+exit 1
+"""
+
+
+def test_a_stop_on_several_nodes_requeues_under_srun_kill_on_bad_exit(tmp_path: Path) -> None:
+    """Every node saves and stops at the same step, each in its own time: the first node's exit must not
+    end the others (srun kills the step when a task exits non-zero) and the job requeues itself."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    scontrol = (
+        '#!/bin/bash\necho "$*" >> "$CALLS"\n[ "$1 $2" = "show hostnames" ] && echo 127.0.0.1\nexit 0\n'
+    )
+    for name, body in (
+        ("srun", KILL_ON_BAD_EXIT_SRUN),
+        ("scontrol", scontrol),
+        ("fake-torchrun", RESUMABLE_TORCHRUN),
+    ):
+        (bin_dir / name).write_text(body)
+        (bin_dir / name).chmod(0o755)
+    values = {
+        "nodes": 2, "layout": "2 nodes x 1 GPU", "master_port": free_port(),
+        "torchrun": str(bin_dir / "fake-torchrun"), "torchrun_flags": "", "program": "train fit tiny",
+        "python": sys.executable, "supervise_flags": "--max-restarts=0 --elastic --hang-timeout-s=60",
+        "lead_s": "60", "max_requeues": 3,
+    }  # fmt: skip
+    env_block = render_env_exports(load_env_vars(efa=False))
+    topo = Topology(nodes=2, gpus_per_node=1)
+    header = SbatchHeader("stop", "stop", node_resources(topo), SlurmSite(), env_block, str(tmp_path))
+    script = render_sbatch(SLURM_NODES, header, values)
+    env = {
+        **os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "PYTHONPATH": str(REPO),
+        "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_CPUS_ON_NODE": "2", "SLURM_JOB_ID": "77",
+        "CALLS": str(tmp_path / "calls"), "SAVED": str(tmp_path / "saved"), "TMPDIR": str(tmp_path),
+    }  # fmt: skip
+    done = subprocess.run(
+        ["bash", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=PROBE_TIMEOUT_S
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert sorted((tmp_path / "saved").read_text().splitlines()) == ["node 0 saved", "node 1 saved"]
+    assert "requeue 77" in (tmp_path / "calls").read_text(), done.stdout + done.stderr
+    assert "requeueing job 77 as segment 1" in done.stdout
+    assert not list(tmp_path.glob(".slurm-stopped-*")), "the nodes' marks are removed"
+
+
 # ------------------------------------------------------------------------------------------ Kubernetes
 def _k8s_docs(manifest: str) -> dict[str, dict]:
     docs = [doc for doc in yaml.safe_load_all(manifest) if doc]
