@@ -34,9 +34,11 @@ ENV_GROUPS = ("knobs", "efa", "passthrough")
 # Slurm log files, in the job's working directory: one per job, one per array task (%A: array id, %a: index).
 JOB_LOG = "slurm-%x-%j.out"
 ARRAY_LOG = "slurm-%x-%A_%a.out"
-# The finalize job merges index files and writes the manifest: little CPU and memory.
+# The finalize job loads the encoders as an encode rank does (the empty caption's embedding, the weights'
+# fingerprints: encode/launch.py's 8 GiB base), reads every partition's done-marker (tens of thousands for
+# LAION) and writes the merged indexes and the manifest. 4 GiB left SD2's text tower and VAE no room.
 FINALIZE_CPUS = 2
-FINALIZE_MEM_GB = 4
+FINALIZE_MEM_GB = 16
 # Kubernetes: container restarts allowed per node before the Job is marked failed.
 K8S_RESTARTS_PER_NODE = 3
 _SAFE_VALUE = re.compile(r"[A-Za-z0-9_.,:/^+=@-]*")

@@ -270,7 +270,7 @@ def test_array_tasks_ask_for_cpus_and_memory_from_the_workers(plain_yaml: Path) 
     header = _array_header(plan)
     assert "#SBATCH --cpus-per-task=4\n" in header and "#SBATCH --mem=14G\n" in header
     finalize = (plan.steps[1].stdin or "").split("set -euo pipefail")[0]
-    assert "#SBATCH --mem=4G" in finalize
+    assert "#SBATCH --mem=16G" in finalize  # it loads the encoders as a rank does
     flags = LaunchOptions(4, "slurm", cpus_per_rank=2, mem_per_rank_gb=6)
     header = _array_header(plan_encode(str(plain_yaml), ["workers=3"], flags))
     assert "#SBATCH --cpus-per-task=2\n" in header and "#SBATCH --mem=6G\n" in header

@@ -116,6 +116,11 @@ class DataConfig:
                 "data.uri and data.streams are both set: data.uri is the one-dataset shorthand; move it into "
                 "data.streams (or pass data.uri= to clear it)"
             )
+        if self.streams and self.version is not None:
+            raise ConfigError(
+                f"data.version={self.version} is the one-dataset shorthand's pin; a mix pins each dataset "
+                "with its own data.streams[i].version: move it there (or pass data.version=null)"
+            )
         if self.streams:
             check_streams(self.streams, self.epoch_size)
 

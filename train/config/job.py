@@ -176,7 +176,8 @@ class TrainConfig:
         if same:
             raise ConfigError(
                 f"eval.uri={self.eval.uri} is data this run trains on ({same[0]}): its loss would not be "
-                "held out; point eval.uri at a dataset encoded from samples kept out of training, or eval.uri=''"
+                "held out; point eval.uri at a dataset encoded from samples kept out of training, or pass "
+                "eval.uri=''"
             )
 
     def _check_compile_mode(self) -> None:

@@ -66,6 +66,8 @@ def test_config_names_streams_and_refuses_what_streaming_would_refuse_mid_run() 
         build("data.streams=[{uri: /d/laion, proportion: 0.7}, {uri: /d/coyo, repeat: 2}]")
     with pytest.raises(ConfigError, match=r"data.uri and data.streams are both set"):
         build("data.uri=/d/x", "data.streams=[{uri: /d/laion}]")
+    with pytest.raises(ConfigError, match=r"data.version=v1 .*data.streams\[i\].version"):
+        build("data.version=v1", "data.streams=[{uri: /d/laion}]")  # it pinned nothing
     with pytest.raises(ConfigError, match="stream laion sets proportion and choose"):
         build("data.streams=[{uri: /d/laion, proportion: 0.7, choose: 5}]")
     with pytest.raises(ConfigError, match=r"\['x'\] are used twice"):
