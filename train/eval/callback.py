@@ -119,7 +119,8 @@ class HeldOutEval(Callback):
             metrics |= loss_metrics(all_reduce_sum(sums), self.cfg.timesteps, name)
         seconds = time.perf_counter() - start
         logger.log_metrics({**metrics, "eval/seconds": seconds}, step=int(state.timestamp.batch))
-        log.info("%s", console_line(int(state.timestamp.batch), metrics, seconds, 2 * len(batches)))
+        if dist.get_global_rank() == 0:  # every rank holds the all-reduced numbers: one line a run
+            log.info("%s", console_line(int(state.timestamp.batch), metrics, seconds, 2 * len(batches)))
         self.plot()
         return metrics
 
