@@ -187,6 +187,12 @@ def saved_batch(save: str) -> int:
     return int(latest.split("-ba")[1].split("-")[0])
 
 
+def around_traceback(text: str) -> str:
+    """What a failure shows: the log around its first traceback (its tail would leave the traceback out)."""
+    start = max(text.find("Traceback") - 3000, 0)
+    return text[start : start + 9000]
+
+
 def metric_steps(save: str) -> set[int]:
     """The steps of the metrics.jsonl rank 0 mirrors into an s3:// save folder."""
     return {json.loads(line)["step"] for line in storage.read_bytes(f"{save}/metrics.jsonl").splitlines()}
@@ -267,7 +273,7 @@ def crash_then_sigterm(job: Job) -> int:
     assert "torchrun restarted every node's ranks" in node0.text()
     for node in (node0, node1):  # every node's ranks saved the same step and said so
         assert f"stopped at batch {stopped} on" in node.text() and "rerun the same command" in node.text()
-        assert "Traceback" not in node.text(), node.text()[-5000:]  # the rank left behind: a line
+        assert "Traceback" not in node.text(), around_traceback(node.text())  # the rank left behind: a line
         assert_nothing_left(node)
     assert f"({job.save}/ep" in node0.text()  # rank 0 names the checkpoint on S3, not its staged copy
     return stopped
@@ -293,7 +299,7 @@ def hang_then_lose_node_1(job: Job, resumed: int) -> None:
     restarts = [line for line in node0.text().splitlines() if "torchrun restarted every node's ranks" in line]
     assert len(restarts) >= 2, restarts  # the hang, the lost node (a rendezvous may retry)
     for node in (node0, node1, replacement):  # the ranks left behind by each failure: a line each
-        assert "Traceback" not in node.text(), node.text()[-5000:]
+        assert "Traceback" not in node.text(), around_traceback(node.text())
     for node in (node0, replacement):
         assert_nothing_left(node)
     assert processes_naming(node1.folder) == []  # lost whole: its earlier generations' strays were ended
