@@ -2,8 +2,9 @@
 
 The supervisor creates the folder and passes it to every rank as $SD_CONTROL_DIR (torchrun hands its
 environment on). The ranks write; the supervisor reads, except `stop`, which goes the other way:
-- `heartbeat-rank<R>`: "<batch> <pid>", rewritten after every step; its mtime is the rank's last sign of life.
-  "<batch> <pid> finished" once training ended: closing (the last upload, a barrier) is not a hang.
+- `heartbeat-rank<R>`: "<batch> <pid> <start>", rewritten after every step; its mtime is the rank's last sign
+  of life. `<start>`: when that process started (/proc), so a dead rank's pid taken by another process is
+  no live rank. "... finished" once training ended: closing (the last upload, a barrier) is not a hang.
 - `progress.json` (local rank 0, so every node's supervisor has one): the last batch and the checkpoint
   saved, so a supervisor that gives up can name what a rerun resumes from.
 - `exit.json` (local rank 0): why the ranks stopped when they stopped on purpose (`resumable`: saved on a
@@ -77,7 +78,22 @@ def read_json(path: Path) -> dict[str, Any] | None:
 
 def write_heartbeat(folder: Path, rank: int, batch: int, finished: bool = False) -> None:
     end = " finished" if finished else ""
-    (folder / f"{HEARTBEAT_PREFIX}{rank}").write_text(f"{batch} {os.getpid()}{end}")
+    pid = os.getpid()
+    (folder / f"{HEARTBEAT_PREFIX}{rank}").write_text(f"{batch} {pid} {process_start(pid) or 0}{end}")
+
+
+def process_start(pid: int) -> int | None:
+    """When `pid` started (clock ticks since boot, /proc/<pid>/stat field 22); None where there is none.
+
+    A pid is reused once its process is gone, soon where pid_max is 32768 (a 2-core machine): a dead rank's
+    heartbeat, its pid taken by another process, looked like a live rank that had not stepped for minutes.
+    The supervisor then "found" a hang at the step the dead generation had reached, killed the healthy new
+    generation, and took the second such hang at one step for a crash loop (the two-node test, in CI)."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(text[text.rindex(")") + 2 :].split()[19])  # fields after "(comm)" start at field 3
 
 
 @dataclass(frozen=True)
@@ -90,14 +106,19 @@ class Heartbeat:
 
 
 def read_heartbeats(folder: Path) -> list[Heartbeat]:
+    """The ranks' heartbeats, less those whose pid another process has taken since (`process_start`)."""
     beats = []
     for path in folder.glob(f"{HEARTBEAT_PREFIX}*"):
         try:
-            batch, pid, *end = path.read_text().split()
+            batch, pid, *rest = path.read_text().split()
+            finished = rest[-1:] == ["finished"]
+            start = int(rest[0]) if rest and rest[0] != "finished" else 0
             rank, mtime = int(path.name[len(HEARTBEAT_PREFIX) :]), path.stat().st_mtime
-            beats.append(Heartbeat(rank, int(batch), int(pid), mtime, end == ["finished"]))
         except (OSError, ValueError):
             continue  # being rewritten: read again on the next poll
+        if start and process_start(int(pid)) not in (None, start):
+            continue  # its rank is gone and its pid is another process's now
+        beats.append(Heartbeat(rank, int(batch), int(pid), mtime, finished))
     return sorted(beats, key=lambda beat: beat.rank)
 
 
