@@ -82,6 +82,14 @@ def write_heartbeat(folder: Path, rank: int, batch: int, finished: bool = False)
     (folder / f"{HEARTBEAT_PREFIX}{rank}").write_text(f"{batch} {pid} {process_start(pid) or 0}{end}")
 
 
+def proc_stat(pid: int) -> list[str] | None:
+    """/proc/<pid>/stat after the command name (state, ppid, ...); None once the process is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
 def process_start(pid: int) -> int | None:
     """When `pid` started (clock ticks since boot, /proc/<pid>/stat field 22); None where there is none.
 
@@ -89,11 +97,8 @@ def process_start(pid: int) -> int | None:
     heartbeat, its pid taken by another process, looked like a live rank that had not stepped for minutes.
     The supervisor then "found" a hang at the step the dead generation had reached, killed the healthy new
     generation, and took the second such hang at one step for a crash loop (the two-node test, in CI)."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return int(text[text.rindex(")") + 2 :].split()[19])  # fields after "(comm)" start at field 3
+    stat = proc_stat(pid)
+    return None if stat is None else int(stat[19])  # the fields after "(comm)" start at field 3
 
 
 @dataclass(frozen=True)

@@ -22,23 +22,15 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shared.launch.control import CONTROL_DIR_ENV, Heartbeat
+from shared.launch.control import CONTROL_DIR_ENV, Heartbeat, proc_stat
 
 STACK_TIMEOUT_S = 30  # py-spy reads a process's memory; a few seconds even for a large one
 RANK_EXIT_GRACE_S = 5.0  # a killed rank's resource tracker and loader workers notice within a second
 SHM = "/dev/shm/"
 
 
-def _stat(pid: int) -> list[str] | None:
-    """/proc/<pid>/stat after the command name (state, ppid, ...); None once the process is gone."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-
-
 def _parent_of(pid: int) -> int | None:
-    stat = _stat(pid)
+    stat = proc_stat(pid)
     return None if stat is None else int(stat[1])
 
 
@@ -91,13 +83,13 @@ def stack_of(pid: int) -> str:
 
 def alive(pid: int) -> bool:
     """A process that still runs (or is stopped); a zombie waiting for its parent counts as gone."""
-    stat = _stat(pid)
+    stat = proc_stat(pid)
     return stat is not None and stat[0] not in ("Z", "X")
 
 
 def stopped(pid: int) -> bool:
     """Stopped by a signal (SIGSTOP, SIGTSTP) or a tracer: it cannot answer anything until SIGCONT."""
-    stat = _stat(pid)
+    stat = proc_stat(pid)
     return stat is not None and stat[0] in ("T", "t")
 
 

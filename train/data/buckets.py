@@ -12,6 +12,7 @@ with a warning that names them (`usable_buckets`).
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -55,7 +56,11 @@ def batching_method(requested: str, bucketed: bool) -> str:
     return "per_stream"
 
 
+Entry = tuple[str, "PinnedData", "tuple[str, float | int] | None"]  # (dataset name, its data, weight)
+
+
 def bucket_counts(pinned: PinnedData) -> dict[str, int]:
+    """Samples stored in each bucket of a bucketed dataset (its manifest's counts)."""
     info = pinned.manifest.resolutions[pinned.resolution]
     return {name: (info.buckets or {})[name]["num_samples"] for name in pinned.buckets}
 
@@ -93,37 +98,51 @@ def split_weight(weight: tuple[str, float | int] | None, counts: list[int]) -> l
     return [{"choose": c} for c in chosen]
 
 
+def split_streams(
+    entries: list[Entry], global_batch: int, warn: bool = True
+) -> Iterator[tuple[str, PinnedData, str, str, int, dict[str, Any]]]:
+    """(dataset name, its data, bucket ("" for square-only data), local cache folder, stored samples, its
+    Streaming weight) of every stream a run reads: one per bucket with samples of a bucketed dataset, one
+    for a square-only one."""
+    for name, pinned, weight in entries:
+        if not pinned.buckets:
+            yield name, pinned, "", pinned.local, pinned.num_samples, split_weight(weight, [1])[0]
+            continue
+        usable = usable_buckets(pinned, global_batch, warn)
+        stored = bucket_counts(pinned)
+        for (bucket, local), extra in zip(
+            usable.items(), split_weight(weight, [stored[b] for b in usable]), strict=True
+        ):
+            yield name, pinned, bucket, local, stored[bucket], extra
+
+
 def bucket_streams(
     entries: list[Entry],
     global_batch: int,
     download_timeout: float,
 ) -> tuple[list[Any], list[StreamLabel]]:
-    """Streaming `Stream`s (and their labels) for (dataset name, pinned data, weight) entries: one per
-    bucket with samples of a bucketed dataset, one for a square-only one."""
+    """Streaming `Stream`s and their labels for (dataset name, pinned data, weight) entries: split_streams."""
     from streaming import Stream
 
     streams, labels = [], []
-    for name, pinned, weight in entries:
-        common = {"remote": pinned.remote, "download_timeout": download_timeout}
-        common["validate_hash"] = SHARD_HASH if pinned.hashed else None
-        if not pinned.buckets:
-            streams.append(Stream(local=pinned.local, **common, **split_weight(weight, [1])[0]))
-            labels.append(StreamLabel(name, ""))
-            continue
-        usable = usable_buckets(pinned, global_batch)
-        counts = [bucket_counts(pinned)[b] for b in usable]
-        for (bucket, local), extra in zip(usable.items(), split_weight(weight, counts), strict=True):
-            streams.append(Stream(local=local, **common, **extra))
-            labels.append(StreamLabel(name, bucket))
+    for name, pinned, bucket, local, _, extra in split_streams(entries, global_batch):
+        hashed = SHARD_HASH if pinned.hashed else None
+        streams.append(
+            Stream(
+                remote=pinned.remote,
+                local=local,
+                download_timeout=download_timeout,
+                validate_hash=hashed,
+                **extra,
+            )
+        )
+        labels.append(StreamLabel(name, bucket))
     if not streams:
         raise DataError(
             f"no bucket holds one global batch ({global_batch} samples); encode more data, use fewer "
             "buckets (transform.buckets) or lower global_batch_size"
         )
     return streams, labels
-
-
-Entry = tuple[str, "PinnedData", "tuple[str, float | int] | None"]  # (dataset name, its data, weight)
 
 
 def stream_entries(pinned: PinnedData, mix: list[PinnedStream]) -> list[Entry]:
@@ -144,14 +163,10 @@ def check_bucket_epochs(
     if not is_bucketed([pinned for _, pinned, _ in entries]):
         return
     names, weights, sizes = [], [], []
-    for name, pinned, weight in entries:
-        counts = bucket_counts(pinned)
-        usable = list(usable_buckets(pinned, global_batch, warn=False)) if pinned.buckets else [""]
-        sized = [counts[b] for b in usable] if pinned.buckets else [pinned.num_samples]
-        for bucket, extra, size in zip(usable, split_weight(weight, sized), sized, strict=True):
-            names.append(" ".join(p for p in (name or pinned.root, bucket and f"bucket {bucket}") if p))
-            weights.append(next(iter(extra.items()), None))
-            sizes.append(size)
+    for name, pinned, bucket, _, size, extra in split_streams(entries, global_batch, warn=False):
+        names.append(" ".join(p for p in (name or pinned.root, bucket and f"bucket {bucket}") if p))
+        weights.append(next(iter(extra.items()), None))
+        sizes.append(size)
     got = epoch_counts(weights, sizes, epoch_size, seed)
     short = [f"{n}: {c} samples" for n, c in zip(names, got, strict=True) if c < global_batch]
     if short:
