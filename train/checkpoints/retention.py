@@ -26,17 +26,25 @@ _SHARDED_NAME = re.compile(r"^ep\d+-ba(\d+)$")
 
 
 def checkpoints_to_delete(
-    names_by_batch: dict[int, list[str]], latest_batch: int | None, keep: int
+    names_by_batch: dict[int, list[str]],
+    latest_batch: int | None,
+    keep: int,
+    incomplete: frozenset[int] = frozenset(),
 ) -> list[str]:
     """Which checkpoints retention deletes: of those at or before the one `latest` names, all but the
     newest `keep` (latest always among them). Checkpoints after latest are never touched: in an s3://
     folder they are uploads Composer has not confirmed yet (it writes `latest` only after polling that the
     file exists, so deleting one stalls the job for up to an hour), or leftovers of a crashed attempt that
-    the resumed run overwrites. No latest: nothing is confirmed, nothing is deleted."""
+    the resumed run overwrites. No latest: nothing is confirmed, nothing is deleted.
+
+    `incomplete`: batches of sharded folders without their `.metadata`. Below latest such a folder is what
+    a crash left mid-save (saves go in batch order, so nothing is still writing it): it goes, and does
+    not count as one of the `keep`, which would leave one good checkpoint fewer than asked for."""
     if latest_batch is None:
         return []
-    settled = sorted(batch for batch in names_by_batch if batch <= latest_batch)
-    old = settled[: max(len(settled) - keep, 0)]
+    broken = sorted(batch for batch in incomplete if batch < latest_batch and batch in names_by_batch)
+    settled = sorted(batch for batch in names_by_batch if batch <= latest_batch and batch not in broken)
+    old = sorted([*settled[: max(len(settled) - keep, 0)], *broken])
     return [name for batch in old for name in names_by_batch[batch]]
 
 
@@ -69,15 +77,22 @@ class CheckpointRetention(Callback):
         if dist.get_global_rank() != 0:
             return []
         by_batch: dict[int, list[str]] = {}
+        sharded: set[int] = set()
+        complete: set[int] = set()
         for info in storage.list_files(self.save_folder):
             name = storage.relpath(info.uri, self.save_folder)
             if match := _CHECKPOINT_NAME.match(name):
                 by_batch.setdefault(int(match.group(1)), []).append(info.uri)
             elif "/" in name and (match := _SHARDED_NAME.match(name.split("/")[0])):
+                batch = int(match.group(1))
                 folder = storage.join(self.save_folder, match.group(0))
-                if folder not in by_batch.setdefault(int(match.group(1)), []):
-                    by_batch[int(match.group(1))].append(folder)
-        doomed = checkpoints_to_delete(by_batch, self._latest_batch(), self.keep)
+                sharded.add(batch)
+                if name.split("/", 1)[1] == ".metadata":
+                    complete.add(batch)
+                if folder not in by_batch.setdefault(batch, []):
+                    by_batch[batch].append(folder)
+        incomplete = frozenset(sharded - complete)
+        doomed = checkpoints_to_delete(by_batch, self._latest_batch(), self.keep, incomplete)
         for uri in doomed:
             if _CHECKPOINT_NAME.match(os.path.basename(uri)):
                 storage.delete(uri)

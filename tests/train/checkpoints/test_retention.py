@@ -65,6 +65,22 @@ def test_no_latest_deletes_nothing(tmp_path: Path) -> None:
     assert CheckpointRetention(str(tmp_path / "run"), 1, "1ba").prune() == []
 
 
+def test_a_sharded_folder_a_crash_left_half_written_goes_and_is_not_counted(tmp_path: Path) -> None:
+    """ba4 lost its save (no `.metadata`: the job died mid-save and resumed from ba2, saving on another
+    schedule). Counted as one of the 2 kept, it left a single loadable checkpoint."""
+    run = tmp_path / "run"
+    for batch, complete in ((2, True), (4, False), (6, True), (8, False)):
+        (run / f"ep0-ba{batch}").mkdir(parents=True)
+        (run / f"ep0-ba{batch}" / "__0_0.distcp").write_bytes(b"x")
+        if complete:
+            (run / f"ep0-ba{batch}" / ".metadata").write_bytes(b"m")
+    os.symlink("ep0-ba6", run / "latest-rank0.pt")
+    deleted = CheckpointRetention(str(run), 2, "1ba").prune()
+    assert deleted == [str(run / "ep0-ba4")]
+    # ba8 is after latest: an upload not confirmed yet, never touched
+    assert names(run) == ["ep0-ba2", "ep0-ba6", "ep0-ba8", "latest-rank0.pt"]
+
+
 def test_local_retention_prunes_earlier_jobs_checkpoints(tiny_dataset: str, tmp_path: Path) -> None:
     """Cancel + resubmit: Composer alone prunes only what its own process saved (6 files were left)."""
     from train.loop.trainer import fit
