@@ -99,7 +99,8 @@ def prepare_sample(
     cfg: EncodeConfig,
     end: PartitionEnd,
 ) -> PreparedSample | None:
-    """Reuse what fits, decode once for the rest; None if the image turns out undecodable."""
+    """Reuse what fits, decode once for the rest; None if the image turns out undecodable or fits no
+    resolution."""
     out = PreparedSample(
         plan.partition.id,
         sample.key,
@@ -145,7 +146,9 @@ def prepare_sample(
                 out.geometry.pop(res, None)
             else:
                 out.pixels[res] = pixels
-    return out
+    # Absent at every resolution (counted there): no row anywhere would hold its caption, so the text
+    # tower must not run on it, on this run or (nothing reusable being stored) on any rerun.
+    return out if out.pixels or out.latents else None
 
 
 def _latent_fits(latent: np.ndarray, bucket: Bucket, cfg: EncodeConfig) -> bool:

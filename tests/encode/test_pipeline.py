@@ -95,6 +95,18 @@ def test_webdataset_end_to_end(wds: Path, tmp_path: Path, encoders: Encoders) ->
     assert storage.exists(str(tmp_path / "out" / "metrics.json"))
 
 
+def test_a_sample_too_small_for_every_resolution_is_not_text_encoded(
+    wds: Path, tmp_path: Path, encoders: Encoders
+) -> None:
+    """filter.min_size below every resolution: the samples between them fit none and go nowhere, so their
+    captions must not go through the text tower either (nothing stores them: every rerun would redo it)."""
+    cfg = make_cfg(wds, tmp_path / "out", "filter.min_size=8", f"transform.resolutions=[{HIGH}]")
+    _, result = encode(cfg, encoders)
+    info = result.manifest.resolutions[HIGH]
+    assert info.smaller_than_resolution > 0, "the sample data has images below HIGH px"
+    assert encoders.texts_encoded == info.num_samples
+
+
 def test_merged_index_streams_with_streaming(wds: Path, tmp_path: Path, encoders: Encoders) -> None:
     from streaming import StreamingDataset
 
