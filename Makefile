@@ -52,7 +52,7 @@ LAUNCHER ?= auto
 LAUNCH_FLAGS = --gpus $(or $(GPUS),1) --launcher $(LAUNCHER) $(if $(NODES),--nodes $(NODES)) \
 	$(if $(GPUS_PER_NODE),--gpus-per-node $(GPUS_PER_NODE)) $(if $(IMAGE),--image $(IMAGE)) \
 	$(if $(filter local auto,$(LAUNCHER)),$(if $(NODE_RANK),--node-rank $(NODE_RANK)) $(if $(MASTER_ADDR),--master-addr $(MASTER_ADDR))) \
-	$(if $(EFA),--efa) $(if $(DRY_RUN),--dry-run) $(LAUNCH_ARGS)
+	$(if $(EFA),--efa) $(if $(EFA_DEVICES),--efa-devices $(EFA_DEVICES)) $(if $(DRY_RUN),--dry-run) $(LAUNCH_ARGS)
 
 .DEFAULT_GOAL := help
 .PHONY: help install wheelhouse torch-mode torch-next-venv test-torch-next demo test test-quick test-gpu lint format encode encode-gc train export bench estimate tiny-vae lock clean

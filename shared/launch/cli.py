@@ -56,6 +56,9 @@ PartitionOpt = Annotated[str | None, typer.Option("--partition", help="slurm: pa
 AccountOpt = Annotated[str | None, typer.Option("--account", help="slurm: account")]
 TimeOpt = Annotated[str | None, typer.Option("--time", help="slurm: time limit, e.g. 3-00:00:00")]
 EfaOpt = Annotated[bool, typer.Option("--efa", help="add the AWS EFA knobs of jobs/launch/env.yaml")]
+EfaDevicesOpt = Annotated[
+    int | None, typer.Option("--efa-devices", help="k8s with --efa: EFA interfaces per pod (p5.48xlarge: 32)")
+]
 CpusPerRankOpt = Annotated[
     int | None, typer.Option("--cpus-per-rank", help="CPUs per rank [data workers + 1, from the config]")
 ]
@@ -105,6 +108,7 @@ def launch_flags(
     account: AccountOpt = None,
     time_limit: TimeOpt = None,
     efa: EfaOpt = False,
+    efa_devices: EfaDevicesOpt = None,
     cpus_per_rank: CpusPerRankOpt = None,
     mem_per_rank_gb: MemPerRankOpt = None,
     sbatch_options: SbatchOpt = None,

@@ -99,8 +99,7 @@ class LaunchOptions:
     launcher: str = "local"
     nodes: int | None = None  # None: gpus / gpus_per_node
     gpus_per_node: int | None = None  # None: DEFAULT_GPUS_PER_NODE (or all of `gpus` when fewer)
-    # local only, for a multi-node run without a scheduler: run the same command on every machine, each with
-    # its own node rank, all pointing at node 0.
+    # local multi-node without a scheduler: the same command on every machine, own node rank, node 0's host
     node_rank: int | None = None
     master_addr: str | None = None
     master_port: int = DEFAULT_MASTER_PORT
@@ -112,6 +111,7 @@ class LaunchOptions:
     account: str | None = None  # slurm
     time_limit: str | None = None  # slurm --time, e.g. 3-00:00:00
     efa: bool = False  # add the AWS EFA libfabric knobs (p4d / p5 nodes) from jobs/launch/env.yaml
+    efa_devices: int | None = None  # k8s with efa: EFA interfaces per pod (p4d.24xlarge: 4, p5.48xlarge: 32)
     # Per rank (an encode array task, or one GPU's share of a node): None derives them from the job's config
     # (data loader workers + the rank's own process; the job's documented memory estimate).
     cpus_per_rank: int | None = None

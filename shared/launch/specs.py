@@ -237,6 +237,7 @@ def finalize_resources() -> dict[str, Any]:
 
 
 # --- Kubernetes -----------------------------------------------------------------------------------------
+EFA_RESOURCE = "vpc.amazonaws.com/efa"  # what the AWS EFA device plugin offers a pod
 
 
 def render_k8s_job(
@@ -251,6 +252,7 @@ def render_k8s_job(
     master_port: int,
     node: RankResources | None = None,
     grace_s: int = 30,
+    efa_devices: int | None = None,
 ) -> str:
     """The headless Service + Indexed Job manifest (two YAML documents); `node`: one pod's requests."""
     values = {
@@ -262,7 +264,7 @@ def render_k8s_job(
         "image": json.dumps(image),
         "command": _yaml_block(list(command)),
         "env": _yaml_block(list(env_entries)),
-        "resources": _yaml_block(k8s_resources(topology.gpus_per_node, node)),
+        "resources": _yaml_block(k8s_resources(topology.gpus_per_node, node, efa_devices)),
         "master_port": master_port,
         "backoff_limit": K8S_RESTARTS_PER_NODE * topology.nodes,
         "grace_s": grace_s,
@@ -270,9 +272,12 @@ def render_k8s_job(
     return render_template(load_template(K8S_JOB), values)
 
 
-def k8s_resources(gpus: int, node: RankResources | None) -> dict[str, Any]:
-    """A pod's `resources:`: its GPUs, and CPU / memory requests so the scheduler places it where they fit."""
+def k8s_resources(gpus: int, node: RankResources | None, efa_devices: int | None = None) -> dict[str, Any]:
+    """A pod's `resources:`: its GPUs (and EFA interfaces), and CPU / memory requests so the scheduler places
+    it where they fit."""
     out: dict[str, Any] = {"limits": {"nvidia.com/gpu": gpus}}
+    if efa_devices:
+        out["limits"][EFA_RESOURCE] = efa_devices
     if node is not None:
         out["requests"] = {"cpu": str(node.cpus), "memory": f"{node.memory_gb}Gi"}
     return out

@@ -247,5 +247,6 @@ def k8s_step(plan: LaunchPlan, environ: Mapping[str, str]) -> Step:
         options.master_port,
         node,
         grace_s=max(K8S_DEFAULT_GRACE_S, math.ceil(supervision.deadline_lead_s)),
+        efa_devices=options.efa_devices,
     )
     return Step("the Kubernetes manifest", KUBECTL_APPLY, stdin=manifest, file_name=f"{plan.name}.yaml")

@@ -115,3 +115,27 @@ def check_options(options: LaunchOptions) -> None:
         check_value(options.master_addr, "--master-addr", HOST, "10.0.0.5 or node-0.cluster")
     for option in options.sbatch_options:
         parse_sbatch_option(option)
+    check_efa_devices(options)
+
+
+def check_efa_devices(options: LaunchOptions) -> None:
+    """A pod sees an EFA interface only if it asks the device plugin for it (`vpc.amazonaws.com/efa`), and
+    how many a node has depends on its instance type; with the EFA knobs but no devices, NCCL finds no EFA
+    provider. Slurm and local ranks use the devices their node has."""
+    devices = options.efa_devices
+    if devices is None:
+        if options.efa and options.launcher == "k8s":
+            raise LaunchError(
+                "--efa on Kubernetes needs --efa-devices N, the EFA interfaces each pod asks for "
+                "(make: EFA_DEVICES=N; 4 on p4d.24xlarge, 32 on p5.48xlarge)"
+            )
+        return
+    if options.launcher != "k8s":
+        raise LaunchError(
+            f"--efa-devices is for Kubernetes pods; {options.launcher} ranks use the EFA devices their node "
+            "has: drop it"
+        )
+    if not options.efa:
+        raise LaunchError("--efa-devices without --efa: add --efa (make: EFA=1) for the EFA knobs")
+    if devices < 1:
+        raise LaunchError(f"--efa-devices {devices} must be >= 1 (4 on p4d.24xlarge, 32 on p5.48xlarge)")

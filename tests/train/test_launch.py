@@ -755,6 +755,31 @@ def test_k8s_pods_request_cpus_and_memory_of_their_ranks(train_yaml: Path) -> No
     assert container["resources"]["requests"] == {"cpu": "32", "memory": "80Gi"}
 
 
+def test_k8s_efa_pods_ask_for_their_efa_interfaces(train_yaml: Path) -> None:
+    """The EFA knobs alone leave a pod without an EFA device (the device plugin hands out only what a pod
+    asks for): NCCL would find no EFA provider."""
+    options = LaunchOptions(16, "k8s", image="reg/sd:1", efa=True, efa_devices=32)
+    plan = plan_train(str(train_yaml), [], options)
+    [container] = _k8s_docs(plan.steps[0].stdin or "")["Job"]["spec"]["template"]["spec"]["containers"]
+    assert container["resources"]["limits"] == {"nvidia.com/gpu": 8, "vpc.amazonaws.com/efa": 32}
+    assert {"name": "FI_PROVIDER", "value": "efa"} in container["env"]
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--launcher", "k8s", "--image", "reg/sd:1", "--efa"], "--efa on Kubernetes needs --efa-devices N"),
+        (["--launcher", "k8s", "--image", "reg/sd:1", "--efa-devices", "4"], "add --efa"),
+        (["--launcher", "k8s", "--image", "reg/sd:1", "--efa", "--efa-devices", "0"], "must be >= 1"),
+        (["--launcher", "slurm", "--efa", "--efa-devices", "4"], "--efa-devices is for Kubernetes pods"),
+    ],
+)
+def test_efa_devices_are_asked_for_where_pods_need_them(train_yaml: Path, args, says) -> None:
+    code, out = cli("launch", "--config", str(train_yaml), "--gpus", "16", "--dry-run", *args)
+    assert code == 2, out
+    assert says in out
+
+
 def test_slurm_train_nodes_take_all_their_memory(train_yaml: Path) -> None:
     script = plan_train(str(train_yaml), [], LaunchOptions(16, "slurm")).steps[0].stdin or ""
     assert "#SBATCH --exclusive\n#SBATCH --mem=0\n" in script
