@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from shared.contract import ContractError
+from shared.encoders import EncoderIdentity
 from shared.manifest import DatasetManifest, fingerprint, read_manifest
 from train.config import DataConfig, StreamConfig
 
@@ -76,14 +77,19 @@ def check_same_encoders(manifests: list[tuple[str, DatasetManifest]]) -> None:
 
 
 def _encoder_facts(manifest: DatasetManifest) -> dict[str, Any]:
-    ident = manifest.identity
+    facts = encoder_facts(manifest.identity, float(manifest.scale_factor))
+    return {"scale factor": facts.pop("scale factor"), "text store mode": manifest.text_store, **facts}
+
+
+def encoder_facts(identity: EncoderIdentity, scale_factor: float) -> dict[str, Any]:
+    """What decides the latent and text spaces a model learns: data encoded with other values is data of
+    another model."""
     return {
-        "scale factor": float(manifest.scale_factor),
-        "text store mode": ident.text_store,
-        "VAE weights": ident.vae_hash,
-        "text encoder weights": ident.text_hash,
-        "tokenizer": ident.tokenizer_hash,
-        "preset": manifest.preset,
+        "scale factor": float(scale_factor),
+        "VAE weights": identity.vae_hash,
+        "text encoder weights": identity.text_hash,
+        "tokenizer": identity.tokenizer_hash,
+        "preset": identity.preset,
     }
 
 

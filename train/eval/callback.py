@@ -21,6 +21,7 @@ from composer.utils import dist
 from composer.utils.misc import create_interval_scheduler
 
 from shared.encoders import EMBEDDINGS
+from shared.manifest import DatasetManifest
 from train.config import EvalConfig
 from train.data.loader import PinnedData
 from train.ema.algorithm import find_ema
@@ -154,12 +155,16 @@ def log_cost(cfg: Any) -> None:
     log.info("%s", plan_line(cfg, world, per_rank))
 
 
-def build_heldout_eval(cfg: Any, objective: Objective, local_dir: str = "") -> HeldOutEval:
+def build_heldout_eval(
+    cfg: Any, objective: Objective, trained_on: DatasetManifest, local_dir: str = ""
+) -> HeldOutEval:
     """The callback for a TrainConfig with eval.uri set (its dataset pinned and checked now, before step
-    1)."""
+    1, against `trained_on`, the training data's manifest)."""
+    from train.data.mix import encoder_facts
     from train.eval.data import pin_eval_data
 
-    pinned = pin_eval_data(cfg.eval, cfg.model.preset, cfg.data.resolution, cfg.data.cache_dir)
+    trained_with = encoder_facts(trained_on.identity, float(trained_on.scale_factor))
+    pinned = pin_eval_data(cfg.eval, cfg.model.preset, cfg.data.resolution, cfg.data.cache_dir, trained_with)
     if pinned.manifest.text_store != EMBEDDINGS and objective.online_text is None:
         from shared.config import ConfigError
 

@@ -19,11 +19,13 @@ import torch
 
 from shared import storage
 from shared.config import ConfigError, build_dataclass, load_config
+from shared.encoders import EncoderIdentity
 from shared.presets import get_preset
 from shared.runtime.device import resolve_device_kind, resolve_precision
 from train.checkpoints.files import fetched_checkpoint, resolve_checkpoint
 from train.checkpoints.sharded import read_full_checkpoint
 from train.config import EvalConfig, ModelConfig, check_eval
+from train.data.mix import encoder_facts
 from train.ema.algorithm import select_unet_weights
 from train.eval.cost import num_batches
 from train.eval.data import pin_eval_data, rows_for_rank
@@ -93,7 +95,10 @@ def evaluate_checkpoint(
     step = checkpoint_step(state)
     del state
     model_cfg = build_dataclass(ModelConfig, record["model"])
-    pinned = pin_eval_data(cfg, record["preset"], record["dataset"]["resolution"], cache_dir, size)
+    trained_with = encoder_facts(EncoderIdentity.from_record(record), float(record["scale_factor"]))
+    pinned = pin_eval_data(
+        cfg, record["preset"], record["dataset"]["resolution"], cache_dir, trained_with, size
+    )
     empty = torch.zeros(get_preset(record["preset"]).text_shape())  # never used: eval drops no caption
     online = online_text_for(pinned.manifest, model_cfg.text_encoder)
     objective = Objective(model_cfg, float(record["scale_factor"]), empty, online)

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from shared import storage
-from shared.contract import SHARD_HASH, TRAIN_COLUMNS, Expectation, check_compatible
+from shared.contract import SHARD_HASH, TRAIN_COLUMNS, ContractError, Expectation, check_compatible
 from shared.manifest import DatasetManifest, Layout
 from shared.presets import get_preset
 from train.config import DataConfig, EvalConfig
@@ -28,6 +28,7 @@ from train.data.loader import (
     place_index,
     read_dataset_manifest,
 )
+from train.data.mix import encoder_facts
 from train.data.streaming_host import DataError
 
 EVAL_CACHE = "eval"  # below the data cache root: the eval dataset's own folder
@@ -46,9 +47,15 @@ class EvalRows:
 
 
 def pin_eval_data(
-    cfg: EvalConfig, preset: str, resolution: int, cache_dir: str, size: str = ""
+    cfg: EvalConfig,
+    preset: str,
+    resolution: int,
+    cache_dir: str,
+    trained_with: dict[str, Any],
+    size: str = "",
 ) -> PinnedData:
-    """The eval dataset's version, its contract checked against the model's preset and resolution.
+    """The eval dataset's version, its contract checked against the model's preset and resolution, and its
+    encoders against the training data's (`trained_with`: train/data/mix.py encoder_facts).
 
     `size` ("HxW" px): the bucket of a bucketed eval dataset to evaluate on; "": its square bucket.
     """
@@ -57,6 +64,7 @@ def pin_eval_data(
     manifest = read_dataset_manifest(data_cfg)
     p = get_preset(preset)
     check_compatible(manifest, Expectation(resolution, p.latent_shape(resolution), p.text_shape()))
+    check_eval_encoders(cfg.uri, manifest, trained_with)
     pinned = place_version_index(data_cfg, manifest, size)
     if pinned.num_samples < cfg.num_samples:
         where = f"{pinned.bucket} px (bucket of {resolution} px)" if pinned.bucket else f"{resolution} px"
@@ -65,6 +73,20 @@ def pin_eval_data(
             f"samples at {where}; lower eval.num_samples or encode more held-out data"
         )
     return pinned
+
+
+def check_eval_encoders(uri: str, manifest: DatasetManifest, trained_with: dict[str, Any]) -> None:
+    """Held-out latents from another VAE (or text from another tower) score the model on inputs it never
+    learned: the loss would be a number about nothing. The text store mode may differ (tokens are embedded
+    by the run's own tower)."""
+    have = encoder_facts(manifest.identity, float(manifest.scale_factor))
+    for key, want in trained_with.items():
+        if have[key] != want:
+            raise ContractError(
+                f"eval.uri {uri} was encoded with {key} {have[key]!r} but the training data with {want!r}: "
+                "its held-out loss would score latents or text this model never trained on; encode the "
+                "held-out set with the training data's encoder config"
+            )
 
 
 def place_version_index(cfg: DataConfig, manifest: DatasetManifest, size: str = "") -> PinnedData:

@@ -173,7 +173,7 @@ def build_callbacks(ctx: RunContext, model: DiffusionModel, saves: Any = None) -
     if cfg.eval.uri:  # held-out loss (train/eval/): before the CheckpointSaver, like the samples
         from train.eval.callback import build_heldout_eval
 
-        callbacks.append(build_heldout_eval(cfg, model.objective, ctx.local_dir))
+        callbacks.append(build_heldout_eval(cfg, model.objective, ctx.manifest, ctx.local_dir))
     saving = saves or cfg.save_interval  # what the CheckpointSaver saves on: stops and the clock too
     if cfg.save_is_remote():
         restore = (METRICS_FILENAME,)

@@ -15,11 +15,14 @@ from train.data.streaming_host import DataError
 from train.eval.data import pin_eval_data, rank_indices, read_rows, rows_for_rank
 from train.eval.images import load_prompts
 
+# No encoder facts to compare against: these tests read rows (test_heldout.py refuses other encoders).
+SAME: dict = {}
+
 
 def test_rows_are_the_stored_samples_in_order(tiny_dataset: str, tmp_path: Path) -> None:
     from streaming import StreamingDataset
 
-    pinned = pin_eval_data(EvalConfig(uri=tiny_dataset, num_samples=40), "tiny", 64, str(tmp_path))
+    pinned = pin_eval_data(EvalConfig(uri=tiny_dataset, num_samples=40), "tiny", 64, str(tmp_path), SAME)
     rows = read_rows(pinned, [0, 5, 33, 39])  # 33 and 39 are in the second partition
     reference = StreamingDataset(local=pinned.remote, shuffle=False, batch_size=1)
     for position, index in enumerate(rows.indices):
@@ -36,9 +39,9 @@ def test_rows_are_the_stored_samples_in_order(tiny_dataset: str, tmp_path: Path)
 
 def test_an_eval_dataset_that_does_not_fit_is_refused(tiny_dataset: str, tmp_path: Path) -> None:
     with pytest.raises(DataError, match=r"lower eval\.num_samples"):
-        pin_eval_data(EvalConfig(uri=tiny_dataset, num_samples=65), "tiny", 64, str(tmp_path))
+        pin_eval_data(EvalConfig(uri=tiny_dataset, num_samples=65), "tiny", 64, str(tmp_path), SAME)
     with pytest.raises(ContractError):  # the model trains at 128 px, the eval set has only 64 px latents
-        pin_eval_data(EvalConfig(uri=tiny_dataset, num_samples=8), "tiny", 128, str(tmp_path))
+        pin_eval_data(EvalConfig(uri=tiny_dataset, num_samples=8), "tiny", 128, str(tmp_path), SAME)
 
 
 def test_prompts_from_an_encoded_dataset_are_its_captions_in_order(tiny_dataset: str) -> None:
@@ -51,7 +54,8 @@ def test_rows_from_s3_equal_the_local_rows(s3_prefix: str, tmp_path: Path) -> No
         write_fake_dataset(root, n=24, seed=4)
     rows = [
         read_rows(
-            pin_eval_data(EvalConfig(uri=root, num_samples=20), "tiny", 64, str(tmp_path / name)), [1, 18]
+            pin_eval_data(EvalConfig(uri=root, num_samples=20), "tiny", 64, str(tmp_path / name), SAME),
+            [1, 18],
         )
         for root, name in ((local, "c1"), (remote, "c2"))
     ]

@@ -5,6 +5,7 @@ samples are split over ranks and batches."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -13,8 +14,8 @@ import pytest
 import torch
 
 from shared.config import ConfigError
-from shared.contract import LATENT_LOGVAR, LATENT_MEAN, TEXT_EMBEDDING
-from tests.train.conftest import REPO_ROOT, TinyRun, stream_overrides, tiny_config
+from shared.contract import LATENT_LOGVAR, LATENT_MEAN, TEXT_EMBEDDING, ContractError
+from tests.train.conftest import REPO_ROOT, TINY_RUN_EVAL, TinyRun, stream_overrides, tiny_config
 from train.config import EvalConfig, ModelConfig
 from train.eval.checkpoint import eval_config, evaluate_checkpoint
 from train.eval.cost import num_batches
@@ -93,6 +94,32 @@ def test_config_checks_the_eval_section(tiny_dataset: str, tmp_path) -> None:
     streams = stream_overrides("{uri: s3://b/laion, name: laion}", f"{{uri: {tiny_dataset}, name: mine}}")
     with pytest.raises(ConfigError, match=r"is data this run trains on"):
         tiny_config("", tmp_path / "s", tmp_path / "c", *streams, f"eval.uri={tiny_dataset}")
+
+
+def other_encoders_copy(dataset: str, out: Path) -> str:
+    """`dataset` as if encoded with another VAE (other weights, other scale factor)."""
+    shutil.copytree(dataset, out)
+    for path in [out / "manifest.json", *out.glob("versions/*/manifest.json")]:
+        manifest = json.loads(path.read_text())
+        manifest["encoder"]["vae_hash"] = "0" * 64
+        manifest["scale_factor"] = 0.18215
+        path.write_text(json.dumps(manifest))
+    return str(out)
+
+
+def test_an_eval_set_from_other_encoders_is_refused(tiny_run: TinyRun, tmp_path: Path) -> None:
+    """Its held-out loss would score latents the model never trained on (a mix of the two is refused too)."""
+    from train.loop.trainer import build_trainer
+
+    other = other_encoders_copy(str(tiny_run.cfg.eval.uri), tmp_path / "other-vae")
+    cache = str(tmp_path / "cache")
+    with pytest.raises(ContractError, match=r"eval\.uri .* was encoded with scale factor 0\.18215"):
+        evaluate_checkpoint(str(tiny_run.save), "ema", [f"uri={other}"], cache_dir=cache)
+    cfg = tiny_config(
+        tiny_run.cfg.data.uri, tmp_path / "save", tmp_path / "cache", f"eval.uri={other}", *TINY_RUN_EVAL
+    )
+    with pytest.raises(ContractError, match="encode the held-out set with the training data's encoder"):
+        build_trainer(cfg)
 
 
 def fake_rows(n: int, indices: list[int]) -> EvalRows:
