@@ -43,7 +43,7 @@ def _user_errors() -> tuple[type[Exception], ...]:
     from shared.models import TextLayerError
     from shared.storage import StorageError
     from train.checkpoints.files import CheckpointError, UnsafeCheckpointError
-    from train.checkpoints.record import DatasetChangedError
+    from train.checkpoints.record import DatasetChangedError, ObjectiveChangedError
     from train.data.loader import DataError
     from train.ema.names import EMAStoreMismatchError
     from train.export.pipeline import ExportError
@@ -53,6 +53,7 @@ def _user_errors() -> tuple[type[Exception], ...]:
     return (
         ConfigError,
         DatasetChangedError,
+        ObjectiveChangedError,
         ExportError,
         ContractError,
         BatchingError,

@@ -16,6 +16,41 @@ class DatasetChangedError(RuntimeError):
     """A resume would continue on other data than the checkpoint was trained on."""
 
 
+class ObjectiveChangedError(RuntimeError):
+    """A resume would continue towards another target than the checkpoint's optimizer and EMA state."""
+
+
+# What the U-Net learns to output for which input: a resume that changes one trains a different model on
+# the old one's optimizer moments and EMA, and export (which reads the record) would describe the new one.
+OBJECTIVE_KEYS = (
+    "prediction_type",
+    "num_train_timesteps",
+    "beta_start",
+    "beta_end",
+    "beta_schedule",
+    "zero_terminal_snr",
+)
+
+
+def check_objective_unchanged(saved: dict[str, Any], current: dict[str, Any]) -> None:
+    """Refuse to resume with another prediction type or noise schedule than the checkpoint's. A new phase
+    with another objective (SD2's epsilon -> v handoff) starts from the weights in a new save folder."""
+    before, now = saved.get("model"), current.get("model", {})
+    if not isinstance(before, dict):
+        return  # a record without the model section: nothing to compare
+    changed = [key for key in OBJECTIVE_KEYS if key in before and before[key] != now.get(key)]
+    if not changed:
+        return
+    was = ", ".join(f"{key}={before[key]}" for key in changed)
+    new = ", ".join(f"{key}={now.get(key)}" for key in changed)
+    raise ObjectiveChangedError(
+        f"refusing to resume: the checkpoint trained with {was} but this run asks for {new}. Set "
+        f"{' / '.join(f'model.{key}' for key in changed)} back to the checkpoint's (its train_config.yaml "
+        "records them), or start a new phase from its weights: save_folder=<a new folder> "
+        "load_path=<this checkpoint> load_weights_only=true"
+    )
+
+
 # ------------------------------------------------------------------------------------------ run record
 def check_dataset_unchanged(saved: dict[str, Any], current: dict[str, Any], allow: bool) -> bool:
     """Refuse to resume on other data than the checkpoint's, unless `allow` (data.allow_dataset_change).
@@ -81,7 +116,8 @@ class RunRecord(Callback):
     Holds the dataset identity (uri, version, resolution, fingerprint), the model recipe (preset, U-Net
     config, prediction type, noise schedule) and the encoders the latents were made with (the manifest's
     `config.encoder` and `fingerprints.encoders`), so export rebuilds the same VAE and text encoder.
-    Loading a checkpoint (autoresume / load_path without weights-only) checks the dataset is unchanged.
+    Loading a checkpoint (autoresume / load_path without weights-only) checks the objective and the dataset
+    are unchanged.
     """
 
     def __init__(self, record: dict[str, Any], allow_dataset_change: bool = False):
@@ -93,6 +129,7 @@ class RunRecord(Callback):
         return dict(self.record)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        check_objective_unchanged(state, self.record)
         self.data_changed = check_dataset_unchanged(state, self.record, self.allow_dataset_change)
 
     def fit_start(self, state: State, logger: Logger) -> None:

@@ -16,7 +16,7 @@ from composer.core import Callback
 from shared.config import load_config
 from shared.manifest import read_manifest
 from tests.train.conftest import TinyRun, tiny_config, write_fake_dataset
-from train.checkpoints.record import DatasetChangedError, RunRecord
+from train.checkpoints.record import DatasetChangedError, ObjectiveChangedError, RunRecord
 from train.config import TrainConfig
 from train.ema.algorithm import find_ema, select_unet_weights
 from train.loop.trainer import build_trainer, fit
@@ -97,6 +97,30 @@ def test_resume_with_another_epoch_size_is_refused(tiny_run: TinyRun, tmp_path: 
         DatasetChangedError, match=r"epoch_size None\) but .*epoch_size 40\).*data\.epoch_size"
     ):
         build_trainer(cfg)
+
+
+def test_resume_with_another_objective_is_refused_and_a_weights_only_phase_is_not(
+    tiny_run: TinyRun, tmp_path: Path
+) -> None:
+    """The optimizer moments and EMA belong to the old target, and export would describe the new one."""
+    assert tiny_run.cfg.model.prediction_type == "v_prediction" and tiny_run.cfg.model.zero_terminal_snr
+    flipped = "epsilon"
+    save = copy_run(tiny_run, tmp_path / "save")
+    common = (tiny_run.cfg.data.uri, "max_duration=13ba", "samples.enabled=false")
+    changed = (f"model.prediction_type={flipped}", "model.zero_terminal_snr=false")
+    cfg = tiny_config(common[0], save, tmp_path / "cache", *common[1:], *changed)
+    with pytest.raises(
+        ObjectiveChangedError,
+        match=rf"prediction_type=v_prediction, zero_terminal_snr=True but this run asks for prediction_type="
+        rf"{flipped}, zero_terminal_snr=False.*"
+        r"load_weights_only=true",
+    ):
+        build_trainer(cfg)
+    phase = tiny_config(
+        common[0], tmp_path / "phase", tmp_path / "cache-2", "max_duration=1ba", "samples.enabled=false",
+        *changed, f"load_path={save}", "load_weights_only=true",
+    )  # fmt: skip
+    assert int(fit(phase).state.timestamp.batch) == 1
 
 
 def test_allow_dataset_change_resumes_anyway(tiny_run: TinyRun, tmp_path: Path) -> None:
