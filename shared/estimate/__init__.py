@@ -19,7 +19,8 @@ encoded shards (bytes/sample * samples kept, per resolution, * $/GiB-month * mon
     {
       "device": "NVIDIA A100-SXM4-40GB",   # torch.cuda.get_device_name(); mapped to a GPU_TABLE type
       "num_devices": 8,                    # optional: GPUs the numbers were measured on; replaces
-                                           #   scaling.reference_gpus
+                                           #   scaling.reference_gpus when above it (below it, scaling
+                                           #   up to reference_gpus is taken as linear, with a note)
       "train": {                           # per resolution (px, as a string key)
         "256": {"images_per_s_per_device": 185.0},
         "512": {"images_per_s_per_device": 42.0}

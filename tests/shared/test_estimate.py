@@ -26,6 +26,7 @@ Published runs (inputs -> headline), each reproduced below:
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -232,6 +233,19 @@ def test_throughput_from_bench_json(tmp_path: Path) -> None:
     assert est.encode.images_per_s_per_gpu == pytest.approx(100.0)  # 1/200 + 1/200 s per sample
     assert not any("WARNING" in n for n in est.notes)  # the bench ran on the planned GPU type
     assert any(str(path) in n for n in est.notes)
+
+
+def test_a_one_gpu_bench_scales_from_the_node_the_efficiency_was_fitted_on(tmp_path: Path) -> None:
+    """The per-doubling efficiency is fitted beyond 8 GPUs (across nodes): from a 1-GPU bench it is not
+    charged again for 1 -> 8 (0.73 more at every size)."""
+    train = {"256": {"images_per_s_per_device": 400.0}, "512": {"images_per_s_per_device": 90.0}}
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps({"device": "NVIDIA H100 80GB HBM3", "num_devices": 1, "train": train}))
+    cfg = plan("gpu.type=H100", f"throughput_from={path}", "encode.samples=0", "gpus=128")
+    est = estimate(cfg)
+    fitted = [cfg.scaling.efficiency_for(p.resolution) ** math.log2(128 / 8) for p in est.phases]
+    assert [p.scaling_efficiency for p in est.phases] == pytest.approx(fitted)
+    assert any("bench on 1 GPU: 1 -> 8 GPUs taken as linear" in n for n in est.notes)
 
 
 def test_a_bench_at_another_batch_than_the_plan_is_named(tmp_path: Path) -> None:
