@@ -11,19 +11,22 @@ TorchVersion, numpy arrays and dtypes for the RNG state); anything else is refus
 `latest` pointer must name a `.pt` file, or a sharded checkpoint folder (`train/checkpoints/sharded.py`:
 FSDP runs on several ranks write one), directly inside its own save folder. A `latest` that cannot be
 followed or loaded stops the job: resuming is never silently replaced by a fresh start that would
-overwrite it.
+overwrite it. A local folder whose link is missing (killed while Composer re-pointed it) resumes from its
+newest complete checkpoint.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import logging
 import os
 import pickle
 import posixpath
 import re
 import shutil
 import tempfile
+import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -33,6 +36,8 @@ import torch
 from composer.utils import checkpoint as composer_checkpoint
 
 from shared import storage
+
+log = logging.getLogger(__name__)
 
 LATEST_NAME = "latest-rank0.pt"
 # What Composer is told to name the pointer: per rank, as Composer's own default. Its CheckpointSaver removes
@@ -54,6 +59,8 @@ SCRATCH_PREFIX = "sd-ckpt-"
 # `.metadata` (written by rank 0, last) and one `__{rank}_0.distcp` per rank.
 SHARDED_METADATA_NAME = ".metadata"
 SHARDED_FOLDER = re.compile(r"^ep\d+-ba\d+$")  # CHECKPOINT_FILENAME's folder under Composer's sharded save
+_RANK0_FILE = re.compile(r"^ep\d+-ba\d+-rank0\.pt$")
+_BATCH = re.compile(r"-ba(\d+)")
 
 
 class CheckpointError(FileNotFoundError):
@@ -96,7 +103,7 @@ def find_latest_checkpoint(save_folder: str) -> str | None:
         return _find_latest_s3(save_folder)
     link = os.path.join(save_folder, LATEST_NAME)
     if not os.path.lexists(link):
-        return None
+        return _newest_complete_local(save_folder)
     target = os.path.realpath(link)
     folder = os.path.realpath(save_folder)
     if os.path.dirname(target) != folder or not (target.endswith(CHECKPOINT_SUFFIX) or os.path.isdir(target)):
@@ -108,9 +115,34 @@ def find_latest_checkpoint(save_folder: str) -> str | None:
         raise UnsafeCheckpointError(
             f"{link} points to {target}, which does not exist or is an incomplete sharded checkpoint (no "
             f"{SHARDED_METADATA_NAME}); point the link at the newest complete checkpoint in that folder (or "
-            "remove it to start fresh) and rerun"
+            "pass another save_folder to start fresh) and rerun"
         )
     return target
+
+
+def _newest_complete_local(save_folder: str) -> str | None:
+    """A local folder without its `latest` link: the newest complete checkpoint in it, or None.
+
+    Composer re-points the link by removing it, then creating it: a process killed between the two (a
+    second SIGTERM, the scheduler's kill after a stop's save) leaves the checkpoints without a link, and a
+    fresh start would have overwritten them. Complete: a `.pt` whose zip directory (torch.save writes it
+    last) is there, or a sharded folder with its `.metadata`; a save cut short is passed over."""
+    found: list[tuple[int, str]] = []
+    with contextlib.suppress(FileNotFoundError):
+        for entry in os.scandir(save_folder):
+            match = _RANK0_FILE.match(entry.name) or SHARDED_FOLDER.match(entry.name)
+            if match:
+                found.append((int(_BATCH.search(entry.name).group(1)), entry.path))  # type: ignore[union-attr]
+    for _, path in sorted(found, reverse=True):
+        if is_sharded_checkpoint(path) if os.path.isdir(path) else zipfile.is_zipfile(path):
+            log.warning(
+                "%s is missing (a process was killed while Composer re-pointed it): resuming from the "
+                "newest complete checkpoint, %s",
+                os.path.join(save_folder, LATEST_NAME),
+                path,
+            )
+            return os.path.realpath(path)
+    return None
 
 
 def _find_latest_s3(save_folder: str) -> str | None:

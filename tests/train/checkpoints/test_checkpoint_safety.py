@@ -145,6 +145,28 @@ def test_dangling_local_latest_is_an_error_not_a_fresh_start(tmp_path: Path) -> 
         find_latest_checkpoint(str(tmp_path / "save"))
 
 
+def test_a_missing_local_latest_resumes_from_the_newest_complete_checkpoint(
+    tiny_dataset: str, tmp_path: Path
+) -> None:
+    """Composer re-points `latest` by removing it, then linking: a kill between the two left a folder of
+    checkpoints without a link, and the rerun started fresh over them (save_overwrite)."""
+    from train.loop.prepare import resolve_start
+
+    save = tmp_path / "save"
+    save.mkdir()
+    for batch in (4, 8):
+        torch.save({"state": {}}, save / f"ep0-ba{batch}-rank0.pt")
+    (save / "ep0-ba12-rank0.pt").write_bytes(b"PK\x03\x04 cut short by a kill mid-save")
+    (save / "ep0-ba10").mkdir()  # a sharded save whose .metadata was never written
+    (save / "ep0-ba10" / "__0_0.distcp").write_bytes(b"x")
+    assert find_latest_checkpoint(str(save)) == str(save / "ep0-ba8-rank0.pt")
+    start = resolve_start(tiny_config(tiny_dataset, save, tmp_path / "cache", PAST_THE_NAMED_BATCH))
+    assert start.resuming and start.load_path == str(save / "ep0-ba8-rank0.pt")
+    for name in ("ep0-ba4-rank0.pt", "ep0-ba8-rank0.pt"):
+        (save / name).unlink()
+    assert find_latest_checkpoint(str(save)) is None  # nothing complete: a fresh start loses nothing
+
+
 def test_a_truncated_checkpoint_is_refused_naming_it(tiny_dataset: str, tmp_path: Path) -> None:
     save = tmp_path / "save"
     save.mkdir()
