@@ -106,15 +106,18 @@ def fit(
         _warn_unused_gpus()
         trainer = run_fit(cfg)
     except _user_errors() as err:
-        record_fatal(err)  # the supervisor stops instead of restarting (shared/launch/supervisor.py)
+        # the supervisor stops instead of restarting (shared/launch/supervisor.py)
+        record_fatal(err, "finished" if isinstance(err, RunFinishedError) else "fatal")
         raise
     except ValueError as err:  # Composer's own finished-run check, for max_duration in epochs or samples
         if "elapsed training duration" not in str(err):
             raise
-        raise RunFinishedError(
+        finished = RunFinishedError(
             f"the run in {cfg.save_folder} already reached max_duration={cfg.max_duration}: "
             "raise max_duration to train it longer, or set save_folder=<a new folder>"
-        ) from err
+        )
+        record_fatal(finished, "finished")
+        raise finished from err
     typer.echo(f"done at {trainer.state.timestamp.batch.value} batches; checkpoints in {cfg.save_folder}")
 
 

@@ -93,7 +93,7 @@ class Supervision:
 class Outcome:
     """How one torchrun attempt ended."""
 
-    kind: str  # done | resumable | fatal | crash | hang
+    kind: str  # done | resumable | fatal | finished (the run had reached max_duration) | crash | hang
     batch: int  # the highest step any rank completed (-1: none)
     detail: str = ""
 
@@ -175,7 +175,7 @@ class Supervisor:
         while True:
             outcome = self.attempt()
             self.end_strays(keep=[os.getpid()])  # torchrun has exited: nothing of this attempt may stay
-            code = self.final_code(outcome)
+            code = self.final_code(outcome, restarted=restarts > 0)
             if code is not None:
                 return code
             where = self.resume_point()
@@ -213,7 +213,7 @@ class Supervisor:
                 self.proc.wait()
                 return code
         outcome = self.classify(self.proc.returncode, gens.batch)
-        code = self.final_code(outcome)
+        code = self.final_code(outcome, restarted=gens.restarts > 0)
         if code is not None:
             return code
         self.log(
@@ -226,9 +226,9 @@ class Supervisor:
     def elastic_poll(self, gens: Generations) -> int | None:
         """One look at the ranks: an exit code to stop with, or None to keep watching."""
         record = control.read_json(self.folder / control.EXIT_FILE) or {}
-        if record.get("state") == "fatal":
-            self.log(f"a restart cannot fix this, stopping every node: {record.get('message', '')}")
-            return control.EXIT_FATAL
+        if record.get("state") in ("fatal", "finished"):
+            outcome = Outcome(record["state"], int(record.get("batch", -1)), str(record.get("message", "")))
+            return self.final_code(outcome, restarted=gens.restarts > 0)
         beats = control.read_heartbeats(self.folder)
         ended = gens.observe(beats, alive)
         if ended is not None:
@@ -265,18 +265,29 @@ class Supervisor:
         except FileNotFoundError:
             pass
 
-    def final_code(self, outcome: Outcome) -> int | None:
-        """The supervisor's exit code when this outcome ends the launch; None: restart."""
+    def final_code(self, outcome: Outcome, restarted: bool = False) -> int | None:
+        """The supervisor's exit code when this outcome ends the launch; None: restart. `restarted`: this
+        launch restarted the ranks before this outcome."""
         if outcome.kind == "done":
             return control.EXIT_DONE
-        if outcome.kind == "resumable" or self.stop_reason is not None:
-            # The ranks' own message names the step and the checkpoint; without one (killed by a second
-            # signal) the latest checkpoint in save_folder is where a rerun resumes.
-            self.log(outcome.detail or f"stopped on {self.stop_reason}; rerun the same command to resume")
-            return control.EXIT_RESUMABLE
-        if outcome.kind == "fatal":
+        if outcome.kind == "finished" and restarted:
+            # The crash restarted from came after the final save (at teardown): the run is complete.
+            self.log(
+                f"the run had finished before the crash this launch restarted after: done ({outcome.detail})"
+            )
+            return control.EXIT_DONE
+        if outcome.kind in ("fatal", "finished"):  # under a stop signal too: a requeue would hit it again
             self.log(f"a restart cannot fix this, stopping: {outcome.detail}")
             return control.EXIT_FATAL
+        if outcome.kind == "resumable" and outcome.detail:
+            self.log(outcome.detail)  # the ranks' own message names the step and the checkpoint
+            return control.EXIT_RESUMABLE
+        if outcome.kind == "resumable" or self.stop_reason is not None:
+            # Without the ranks' message (killed by a second signal), the latest checkpoint in save_folder is
+            # where a rerun resumes; a crash says how torchrun ended.
+            how = f" ({outcome.detail})" if outcome.detail else ""
+            self.log(f"stopped on {self.stop_reason or 'request'}{how}; rerun the same command to resume")
+            return control.EXIT_RESUMABLE
         return None
 
     def resume_point(self) -> str:
@@ -336,7 +347,7 @@ class Supervisor:
         """The ranks' own record first: under a supervisor they exit 0 after a resumable stop (torchrun's
         elastic agent would restart ranks that exit otherwise), and the supervisor exits 75 for them."""
         record = control.read_json(self.folder / control.EXIT_FILE) or {}
-        if record.get("state") in ("resumable", "fatal"):
+        if record.get("state") in ("resumable", "fatal", "finished"):
             return Outcome(record["state"], int(record.get("batch", batch)), str(record.get("message", "")))
         if returncode == 0:
             return Outcome("done", batch)

@@ -71,6 +71,54 @@ def test_a_fatal_error_stops_at_once_with_its_message(tmp_path: Path) -> None:
     assert attempts(tmp_path) == 1 and "data.uri is empty" in lines[-1]
 
 
+FINISHED = """echo '{"state": "finished", "batch": -1, "message": "RunFinishedError: already reached"}' \\
+    > "$SD_CONTROL_DIR/exit.json"; exit 1
+"""
+
+
+def test_a_crash_after_the_final_save_ends_done_not_fatal(tmp_path: Path) -> None:
+    """Attempt 1 dies at teardown, after the last checkpoint and its `latest`; the restarted ranks find the
+    run finished. The run is complete: exit 0, not 'a restart cannot fix this' (2)."""
+    body = 'echo "12 $$" > "$SD_CONTROL_DIR/heartbeat-rank0"\nif [ $n -eq 1 ]; then kill -9 $$; fi\n'
+    code, lines = run(tmp_path, body + FINISHED, max_restarts=3)
+    assert code == control.EXIT_DONE and attempts(tmp_path) == 2
+    assert "the run had finished before the crash" in lines[-1]
+
+
+def test_a_rerun_of_a_finished_run_is_still_an_error(tmp_path: Path) -> None:
+    code, lines = run(tmp_path, FINISHED, max_restarts=3)
+    assert code == control.EXIT_FATAL and attempts(tmp_path) == 1
+    assert "already reached" in lines[-1]
+
+
+def test_a_fatal_error_during_a_stop_signal_is_fatal_not_resumable(tmp_path: Path) -> None:
+    """75 would have Slurm requeue a config or data error up to max_requeues times."""
+    body = 'echo "1 $$" > "$SD_CONTROL_DIR/heartbeat-rank0"\n'
+    body += 'until [ -e "$SD_CONTROL_DIR/stop" ]; do sleep 0.05; done\n'
+    body += """echo '{"state": "fatal", "batch": -1, "message": "DataError: shard 3 is corrupt"}' \\
+        > "$SD_CONTROL_DIR/exit.json"; exit 1\n"""
+    timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM))
+    timer.start()
+    try:
+        code, lines = run(tmp_path, body, max_restarts=3)
+    finally:
+        timer.cancel()
+    assert code == control.EXIT_FATAL and "shard 3 is corrupt" in lines[-1]
+
+
+def test_ranks_killed_during_a_stop_say_the_run_stopped_and_how_they_ended(tmp_path: Path) -> None:
+    body = 'echo "1 $$" > "$SD_CONTROL_DIR/heartbeat-rank0"\n'
+    body += 'until [ -e "$SD_CONTROL_DIR/stop" ]; do sleep 0.05; done; kill -9 $$\n'
+    timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM))
+    timer.start()
+    try:
+        code, lines = run(tmp_path, body, max_restarts=3)
+    finally:
+        timer.cancel()
+    assert code == control.EXIT_RESUMABLE
+    assert lines[-1] == "stopped on SIGTERM (torchrun exited -9); rerun the same command to resume"
+
+
 def test_a_stale_heartbeat_is_a_hang_the_processes_are_killed_and_restarted(tmp_path: Path) -> None:
     # Attempt 1 writes one heartbeat then stops itself (SIGSTOP: it cannot answer any signal); attempt 2 ends.
     body = """if [ $n -eq 1 ]; then echo "3 $$" > "$SD_CONTROL_DIR/heartbeat-rank0"; kill -STOP $$; fi

@@ -30,7 +30,8 @@ def resumable_exit_code() -> int:
 
 
 def record_exit(state: str, batch: int, message: str) -> None:
-    """Tell the supervisor why the ranks are stopping (`resumable` or `fatal`); a no-op without one.
+    """Tell the supervisor why the ranks are stopping (`resumable`, `fatal` or `finished`); a no-op without
+    one.
 
     Local rank 0 writes it for a decision every rank shares (each node's supervisor reads its own folder); a
     fatal error may be seen by any rank alone, so every rank that sees one writes it (the file is replaced
@@ -43,8 +44,10 @@ def record_exit(state: str, batch: int, message: str) -> None:
                                                      "rank": int(os.environ.get("RANK", "0"))})  # fmt: skip
 
 
-def record_fatal(err: BaseException) -> None:
-    record_exit("fatal", -1, f"{type(err).__name__}: {err}")
+def record_fatal(err: BaseException, state: str = "fatal") -> None:
+    """`state`: fatal, or finished (the run had reached max_duration: done if the launch restarted after a
+    crash at the run's end, shared/launch/supervisor.py final_code)."""
+    record_exit(state, -1, f"{type(err).__name__}: {err}")
 
 
 # What a collective raises on the ranks that are left when another rank dies or its node is lost: gloo's

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from shared.launch import control
 from tests.train.conftest import TinyRun, tiny_config, tiny_overrides
 from train.cli import app
 from train.loop.prepare import RunFinishedError, check_not_finished
@@ -40,8 +41,12 @@ def test_fit_on_a_finished_run_prints_two_lines_and_no_traceback(
 ) -> None:
     """Stops before a model or data loader is built (the demo's case was a 50-line Composer traceback)."""
     args = tiny_overrides(tiny_dataset, tiny_run.save, tmp_path / "cache", "max_duration=12ba")
-    result = CliRunner().invoke(app, ["fit", "tiny", *args])
+    supervised = tmp_path / "control"  # as under the supervisor, which reads why the ranks stopped
+    supervised.mkdir()
+    result = CliRunner().invoke(app, ["fit", "tiny", *args], env={control.CONTROL_DIR_ENV: str(supervised)})
     assert result.exit_code == 2, result.output
+    # "finished", not "fatal": after a crash at the run's end the supervisor's restart ends done (exit 0)
+    assert control.read_json(supervised / control.EXIT_FILE)["state"] == "finished"
     assert "Traceback" not in result.output and result.exception is not None  # typer.Exit, nothing else
     lines = [line for line in result.output.splitlines() if line.strip() and " INFO " not in line]
     assert lines[-2].startswith("error: the run in ") and "already finished" in lines[-2]
