@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from composer.core import Callback, Event, State
+from composer.core import Callback, Event, State, TimeUnit
 from composer.loggers import Logger
 from composer.utils import dist
 from composer.utils.misc import create_interval_scheduler
@@ -172,8 +172,21 @@ def finish_uploads(saver: Any, state: State, logger: Logger) -> None:
 
 
 def at_end(state: State) -> bool:
+    """Whether the step just taken is the run's last (at BATCH_CHECKPOINT)."""
     duration = state.max_duration
-    return duration is not None and state.timestamp.get(duration.unit) >= duration
+    if duration is None:
+        return False
+    if state.timestamp.get(duration.unit) >= duration:
+        return True
+    # In epochs: the counter moves only after BATCH_CHECKPOINT, when the loader is done; the last epoch's
+    # last batch is the end already (a stop there exited 75 for a run with nothing left to train).
+    stamp, batches = state.timestamp, state.dataloader_len
+    return (
+        duration.unit == TimeUnit.EPOCH
+        and batches is not None
+        and int(stamp.epoch) + 1 >= duration.value
+        and int(stamp.batch_in_epoch) >= int(batches)
+    )
 
 
 def flag_group() -> Any:

@@ -101,6 +101,27 @@ def test_a_process_that_ran_fit_in_process_ends_on_sigterm(tiny_dataset: str, tm
         child.wait()
 
 
+def test_a_stop_at_the_last_batch_of_a_run_in_epochs_ends_it_done(
+    tiny_dataset: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At BATCH_CHECKPOINT the epoch counter has not moved yet: a stop on the last batch of the last epoch
+    raised a resumable stop (exit 75, a requeue) for a run with nothing left to train."""
+    from shared.launch import control
+    from tests.train.conftest import tiny_config
+    from train.loop.trainer import fit
+
+    folder = tmp_path / "control"  # as under the supervisor, asked to stop before the first step
+    folder.mkdir()
+    control.request_stop(folder, "SIGTERM")
+    monkeypatch.setenv(control.CONTROL_DIR_ENV, str(folder))
+    cfg = tiny_config(
+        tiny_dataset, tmp_path / "save", tmp_path / "cache", "max_duration=1ep", "global_batch_size=64",
+        "device_microbatch_size=32", "samples.enabled=false",
+    )  # fmt: skip
+    trainer = fit(cfg)  # one batch an epoch: the stop lands on the run's last batch
+    assert (int(trainer.state.timestamp.epoch), int(trainer.state.timestamp.batch)) == (1, 1)
+
+
 class FailingTrainer:
     """What fit() builds, binding SIGTERM as the monitor does and failing mid-run."""
 
