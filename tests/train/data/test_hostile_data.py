@@ -205,6 +205,26 @@ def test_shard_changed_after_encode_fails_its_hash_check(
     assert_no_checkpoint(tmp_path)
 
 
+@pytest.mark.s3
+def test_a_shard_deleted_from_s3_after_encode_is_a_data_error(s3_prefix: str, tmp_path: Path) -> None:
+    """Deleted by `encode gc --force`, a lifecycle rule or by hand: one line naming the shard, not Streaming's
+    ~260-line "Background thread failed" traceback (local shards are checked before step 1)."""
+    from shared import storage
+
+    root = f"{s3_prefix}/data"
+    write_fake_dataset(root, n=64, seed=5)
+    index = json.loads(storage.read_bytes(f"{root}/{RES}/index.json"))
+    missing = f"{root}/{RES}/{index['shards'][0]['raw_data']['basename']}"
+    storage.delete(missing)
+    with pytest.raises(DataError, match=rf"index names is missing \(Object {missing} not found!\)"):
+        fit(
+            tiny_config(
+                root, tmp_path / "save", tmp_path / "cache", "max_duration=2ba", "samples.enabled=false"
+            )
+        )
+    assert_no_checkpoint(tmp_path)
+
+
 def test_nan_latents_in_an_unhashed_dataset_stop_training_before_a_checkpoint(
     dataset: Path, tmp_path: Path
 ) -> None:
