@@ -164,22 +164,26 @@ def encode_partitions(
         worker_init_fn=die_with_parent,  # a kill -9 of this process leaves no worker behind
     )
     progress = Progress(len(plans), enabled=cfg.progress)
-    with Publisher(cfg.output.max_pending_uploads, summary, progress) as publisher:
-        for item in times.items(loader):
-            pid = item.partition
-            if pid not in writers:
-                writers[pid] = PartitionWriter(by_id[pid], cfg, layout, shapes)
-            if isinstance(item, PreparedBatch):
-                with times.phase("launch"):
-                    in_flight.append(launch_batch(writers[pid], item.samples, encoders, times))
-                while len(in_flight) > IN_FLIGHT_BATCHES:
+    try:
+        with Publisher(cfg.output.max_pending_uploads, summary, progress) as publisher:
+            for item in times.items(loader):
+                pid = item.partition
+                if pid not in writers:
+                    writers[pid] = PartitionWriter(by_id[pid], cfg, layout, shapes)
+                if isinstance(item, PreparedBatch):
+                    with times.phase("launch"):
+                        in_flight.append(launch_batch(writers[pid], item.samples, encoders, times))
+                    while len(in_flight) > IN_FLIGHT_BATCHES:
+                        in_flight.popleft().write(times)
+                    continue
+                writer = writers.pop(pid)
+                while any(batch.writer is writer for batch in in_flight):  # FIFO: rows stay in input order
                     in_flight.popleft().write(times)
-                continue
-            writer = writers.pop(pid)
-            while any(batch.writer is writer for batch in in_flight):  # FIFO: rows stay in input order
-                in_flight.popleft().write(times)
-            with times.phase("publishing"):
-                finish_partition(writer, item, stages, summary, publisher)
+                with times.phase("publishing"):
+                    finish_partition(writer, item, stages, summary, publisher)
+    finally:  # a failed job: the open partitions' staged shards go (a rerun redoes them)
+        for open_writer in writers.values():
+            open_writer.discard()
     progress.close()
     summary.main_thread, summary.main_thread_launch = times.seconds, times.launch_parts
     summary.device = times.device.seconds()

@@ -131,7 +131,16 @@ class PartitionWriter:
         (self.reused if reused else self.encoded)[stage] += n
 
     def publish(self, end: PartitionEnd, stages: StageFingerprints) -> DoneMarker:
-        """Finish shards, move them into place, then write the done-marker (the commit point)."""
+        """Finish shards, move them into place, then write the done-marker (the commit point). A failed
+        publish (an upload error) removes the staged shards: without a marker the rerun redoes the
+        partition anyway, and each held up to a partition's worth of disk in the temp folder."""
+        try:
+            return self._publish(end, stages)
+        except BaseException:
+            self.discard()
+            raise
+
+    def _publish(self, end: PartitionEnd, stages: StageFingerprints) -> DoneMarker:
         for writer in self.writers.values():
             writer.finish()
         self.finished = True

@@ -107,6 +107,25 @@ def test_a_sample_too_small_for_every_resolution_is_not_text_encoded(
     assert encoders.texts_encoded == info.num_samples
 
 
+def test_a_failed_upload_leaves_no_staged_shards(
+    wds: Path, tmp_path: Path, encoders: Encoders, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An S3 outage or AccessDenied mid-job: up to max_pending_uploads + 1 partitions of staged shards
+    stayed in the temp folder until the same job was rerun (the rerun redoes them anyway)."""
+    from encode.process import writer as writer_module
+    from shared.storage import StorageError
+
+    def refuse(local: Path, uri: str) -> None:
+        raise StorageError(f"S3 request for {uri} failed: AccessDenied")
+
+    monkeypatch.setattr(writer_module, "_put_in_place", refuse)
+    out = tmp_path / "out"
+    with pytest.raises(StorageError, match="AccessDenied"):
+        encode(make_cfg(wds, out, "output.max_pending_uploads=2"), encoders)
+    staging = writer_module.staging_root(Layout(str(out)))
+    assert not staging.exists() or not list(staging.iterdir())
+
+
 def test_merged_index_streams_with_streaming(wds: Path, tmp_path: Path, encoders: Encoders) -> None:
     from streaming import StreamingDataset
 
