@@ -79,9 +79,17 @@ def classify(err: BaseException) -> Stop | None:
     if isinstance(err, ResumableStop):  # saved on a signal or a deadline: one line (rank 0's), rerun
         # 75, or 0 under a supervisor that exits 75 itself (torchrun restarts ranks that exit non-zero)
         return Stop(resumable_exit_code(), prefix="", quiet=int(os.environ.get("RANK", "0")) != 0)
+    if _is_outage(err):  # exit 1 like a crash: the supervisor restarts from the last checkpoint
+        return Stop(1, message=f"{err} (an outage, not a setting: a rerun resumes from the last checkpoint)")
     if isinstance(err, _user_errors()):
         return Stop(EXIT_FATAL)
     return None
+
+
+def _is_outage(err: BaseException) -> bool:
+    from shared.storage import StorageError
+
+    return isinstance(err, StorageError) and err.transient
 
 
 @app.command()
@@ -106,8 +114,9 @@ def fit(
         _warn_unused_gpus()
         trainer = run_fit(cfg)
     except _user_errors() as err:
-        # the supervisor stops instead of restarting (shared/launch/supervisor.py)
-        record_fatal(err, "finished" if isinstance(err, RunFinishedError) else "fatal")
+        # the supervisor stops instead of restarting (shared/launch/supervisor.py); an outage it restarts
+        if not _is_outage(err):
+            record_fatal(err, "finished" if isinstance(err, RunFinishedError) else "fatal")
         raise
     except ValueError as err:  # Composer's own finished-run check, for max_duration in epochs or samples
         if "elapsed training duration" not in str(err):

@@ -27,6 +27,7 @@ from shared.storage import transfers
 
 # Re-exported: callers use `storage.StorageError`, `storage.redact_url`, ... as one API.
 from shared.storage.errors import StorageError as StorageError
+from shared.storage.errors import is_missing, is_transient
 from shared.storage.safety import REDACTED as REDACTED
 from shared.storage.safety import contained_path as contained_path
 from shared.storage.safety import private_temp_dir as private_temp_dir
@@ -111,15 +112,12 @@ def s3_client() -> Any:
 def _s3_error(err: Exception, uri: str) -> StorageError:
     """Our message with botocore's text in it, both redacted: raise it `from None`, since a chained
     botocore exception would print the endpoint's password again in the traceback."""
+    endpoint = redact_url(os.environ.get("S3_ENDPOINT_URL"))
     return StorageError(
         f"S3 request for {uri} failed: {redact_url(str(err))}. Check AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY "
-        f"and, for a non-AWS server, S3_ENDPOINT_URL (now {redact_url(os.environ.get('S3_ENDPOINT_URL'))!r})."
+        f"and, for a non-AWS server, S3_ENDPOINT_URL (now {endpoint!r}).",
+        transient=is_transient(err),
     )
-
-
-def _is_missing(err: Exception) -> bool:
-    code = getattr(err, "response", {}).get("Error", {}).get("Code", "")
-    return code in ("404", "NoSuchKey", "NotFound")
 
 
 def read_bytes(uri: str) -> bytes:
@@ -132,7 +130,7 @@ def read_bytes(uri: str) -> bytes:
     try:
         return get_bytes(s3_client(), bucket, key)  # repeated when it fails in transit (transfers.py)
     except Exception as err:
-        if _is_missing(err):
+        if is_missing(err):
             raise FileNotFoundError(f"{uri} does not exist") from err
         raise _s3_error(err, uri) from None
 
@@ -187,7 +185,7 @@ def exists(uri: str) -> bool:
         retried(lambda: client.head_object(Bucket=bucket, Key=key), f"checking {uri}", client)
         return True
     except Exception as err:
-        if _is_missing(err):
+        if is_missing(err):
             return False
         raise _s3_error(err, uri) from None
 
@@ -240,7 +238,7 @@ def stat(uri: str) -> FileInfo:
         client = s3_client()
         head = retried(lambda: client.head_object(Bucket=bucket, Key=key), f"checking {uri}", client)
     except Exception as err:
-        if _is_missing(err):
+        if is_missing(err):
             raise FileNotFoundError(f"{uri} does not exist") from err
         raise _s3_error(err, uri) from None
     return FileInfo(uri, int(head["ContentLength"]), str(head.get("ETag", "")).strip('"'))
@@ -257,7 +255,7 @@ def open_read(uri: str) -> IO[bytes]:
     try:
         return open_resuming(s3_client(), bucket, key)  # resumes where a broken body stopped (transfers.py)
     except Exception as err:
-        if _is_missing(err):
+        if is_missing(err):
             raise FileNotFoundError(f"{uri} does not exist") from err
         raise _s3_error(err, uri) from None
 
@@ -342,7 +340,7 @@ def download(uri: str, dest: str | Path) -> None:
     try:
         download_file(s3_client(), bucket, key, str(dest))
     except Exception as err:
-        if _is_missing(err):
+        if is_missing(err):
             raise FileNotFoundError(f"{uri} does not exist") from err
         raise _s3_error(err, uri) from None
 

@@ -4,4 +4,49 @@ from __future__ import annotations
 
 
 class StorageError(OSError):
-    """A storage operation failed in a way the user can fix (missing file, bad URI, no credentials)."""
+    """A storage operation failed in a way the user can fix (missing file, bad URI, no credentials), or,
+    with `transient`, the way an outage does (no connection, timeouts, 5xx, throttling) after the retries:
+    a restart from the last checkpoint may get past it, so it must not stop an unattended run for good."""
+
+    def __init__(self, message: str, transient: bool = False):
+        super().__init__(message)
+        self.transient = transient
+
+
+# S3 error codes of a server that is there but cannot answer now (botocore's own retryable set, named).
+TRANSIENT_CODES = frozenset(
+    {
+        "InternalError",
+        "ServiceUnavailable",
+        "SlowDown",
+        "Throttling",
+        "ThrottlingException",
+        "RequestTimeout",
+        "RequestTimeTooSkewed",
+    }
+)
+
+
+def is_missing(err: Exception) -> bool:
+    """S3's "no such object"."""
+    code = getattr(err, "response", {}).get("Error", {}).get("Code", "")
+    return code in ("404", "NoSuchKey", "NotFound")
+
+
+def is_transient(err: BaseException) -> bool:
+    """An outage rather than a refusal: botocore could not reach or hear the server (connection refused or
+    closed, timeouts), or the server answered 5xx / throttled. Wrong credentials, a missing bucket or an
+    AccessDenied are not."""
+    try:
+        from botocore.exceptions import ClientError, HTTPClientError
+        from botocore.exceptions import ConnectionError as NoConnection
+    except ImportError:  # pragma: no cover - botocore ships with boto3, a dependency
+        return False
+    # NoConnection: EndpointConnectionError, ConnectTimeoutError; HTTPClientError: closed, read timeouts
+    if isinstance(err, NoConnection | HTTPClientError):
+        return True
+    if isinstance(err, ClientError):
+        error = err.response.get("Error", {})
+        status = int(err.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
+        return status >= 500 or error.get("Code", "") in TRANSIENT_CODES
+    return False

@@ -313,8 +313,9 @@ def test_wrong_credentials_give_an_error_naming_the_fix(s3_prefix: str, wrong_s3
     """The server verifies signatures (identities file), so a bad key fails with a message that helps."""
     uri = storage.join(s3_prefix, "x.json")
     for call in (lambda: storage.write_bytes(uri, b"x"), lambda: storage.read_bytes(uri)):
-        with pytest.raises(storage.StorageError, match=r"AWS_ACCESS_KEY_ID.*S3_ENDPOINT_URL"):
+        with pytest.raises(storage.StorageError, match=r"AWS_ACCESS_KEY_ID.*S3_ENDPOINT_URL") as info:
             call()
+        assert not info.value.transient  # a setting to fix: no restart gets past it
 
 
 @pytest.mark.s3
@@ -323,3 +324,29 @@ def test_missing_bucket_is_a_storage_error(s3_server) -> None:
         storage.read_bytes("s3://no-such-bucket-here/key.json")
     with pytest.raises(storage.StorageError, match="no-such-bucket-here"):
         storage.list_files("s3://no-such-bucket-here/prefix")
+
+
+def test_an_outage_is_transient_and_a_refusal_is_not() -> None:
+    """After the retries, an outage may be over by a restart from the last checkpoint (the supervisor's);
+    a refusal is a setting to fix (train records it fatal)."""
+    from botocore.exceptions import ClientError, EndpointConnectionError, ReadTimeoutError
+
+    def answered(status: int, code: str) -> ClientError:
+        return ClientError(
+            {"Error": {"Code": code}, "ResponseMetadata": {"HTTPStatusCode": status}}, "GetObject"
+        )
+
+    outages = [
+        EndpointConnectionError(endpoint_url="http://127.0.0.1:9"),
+        ReadTimeoutError(endpoint_url="http://127.0.0.1:9"),
+        answered(503, "SlowDown"),
+        answered(500, "InternalError"),
+        answered(400, "RequestTimeout"),
+    ]
+    refusals = [
+        answered(403, "AccessDenied"),
+        answered(404, "NoSuchBucket"),
+        answered(403, "InvalidAccessKeyId"),
+    ]
+    assert [storage._s3_error(err, "s3://b/k").transient for err in outages] == [True] * len(outages)
+    assert [storage._s3_error(err, "s3://b/k").transient for err in refusals] == [False] * len(refusals)

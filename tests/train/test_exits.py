@@ -20,6 +20,7 @@ from shared.runtime.exits import (
     take_debug_flag,
     torchrun_argv,
 )
+from shared.storage import StorageError
 from tests.train.conftest import REPO_ROOT
 from train.cli import classify
 from train.resilience.exits import ResumableStop
@@ -84,6 +85,13 @@ def test_classify_knows_the_expected_stops() -> None:
     assert classify(ResumableStop(1, "SIGTERM", None)) == Stop(75, prefix="")
     assert classify(ConfigError("x")) == Stop(2)
     assert classify(KeyError("x")) is None
+    assert classify(StorageError("S3 request failed: AccessDenied")) == Stop(2)
+    outage = classify(StorageError("S3 request failed: Could not connect", transient=True))
+    assert (
+        outage is not None
+        and outage.code == 1
+        and "a rerun resumes from the last checkpoint" in str(outage.message)
+    )
 
 
 # Two gloo ranks; rank 1 dies between two all-reduces, as a rank killed by the OOM killer or kill -9 does.

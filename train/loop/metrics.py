@@ -16,6 +16,7 @@ from composer.utils import dist
 from composer.utils.misc import create_interval_scheduler
 
 from shared import storage
+from shared.storage import StorageError
 
 log = logging.getLogger(__name__)
 
@@ -173,15 +174,31 @@ class ArtifactMirror(Callback):
                 storage.write_bytes(str(local), storage.read_bytes(remote))
 
     def sync(self) -> None:
+        """Best effort: a copy that fails (an S3 outage) is retried at the next sync, and never stops the
+        run (it stopped an unattended one for good: a failed copy of the log was a fatal error)."""
         if dist.get_global_rank() != 0 or not self.local_dir.exists():
             return
+        failed: list[str] = []
+        error: StorageError | None = None
         for path in sorted(p for p in self.local_dir.rglob("*") if p.is_file()):
             stat = path.stat()
             key = str(path.relative_to(self.local_dir))
             if self.sent.get(key) == (stat.st_size, stat.st_mtime_ns):
                 continue
-            storage.write_bytes(storage.join(self.remote_dir, key), path.read_bytes())
+            try:
+                storage.write_bytes(storage.join(self.remote_dir, key), path.read_bytes())
+            except StorageError as err:
+                failed.append(key)
+                error = err
+                continue
             self.sent[key] = (stat.st_size, stat.st_mtime_ns)
+        if failed:
+            log.warning(
+                "could not copy %d file(s) (%s) to %s; they stay in %s and are copied at the next "
+                "checkpoint: %s",
+                len(failed), ", ".join(failed[:3]) + (", ..." if len(failed) > 3 else ""),
+                self.remote_dir, self.local_dir, error,
+            )  # fmt: skip
 
     def batch_checkpoint(self, state: State, logger: Logger) -> None:
         if self.due(state, Event.BATCH_CHECKPOINT):

@@ -43,3 +43,31 @@ def test_train_from_s3_data_to_s3_checkpoints_then_resume_and_export(s3_prefix: 
     assert result.weights == "ema" and result.checkpoint.endswith("ep2-ba6-rank0.pt")
     assert storage.exists(f"{s3_prefix}/export/model_index.json")
     assert storage.exists(f"{s3_prefix}/export/unet/diffusion_pytorch_model.safetensors")
+
+
+def test_a_failed_copy_of_the_run_folder_never_stops_the_run_and_is_retried(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An S3 outage at a checkpoint: copying the log and metrics was a fatal error, which stopped an
+    unattended run for good ('a restart cannot fix this') while S3 came back seconds later."""
+    from train.loop.metrics import ArtifactMirror
+
+    local = tmp_path / "run"
+    local.mkdir()
+    (local / "metrics.jsonl").write_text('{"step": 1}\n')
+    sent: dict[str, bytes] = {}
+    down = [True]
+
+    def put(uri: str, data: bytes) -> None:
+        if down[0]:
+            raise storage.StorageError(f"S3 request for {uri} failed: Could not connect", transient=True)
+        sent[uri] = data
+
+    monkeypatch.setattr(storage, "write_bytes", put)
+    mirror = ArtifactMirror(str(local), "s3://bkt/run", "1ba")
+    with caplog.at_level("WARNING"):
+        mirror.sync()
+    assert "could not copy 1 file(s) (metrics.jsonl) to s3://bkt/run" in caplog.text and not sent
+    down[0] = False
+    mirror.sync()
+    assert sent == {"s3://bkt/run/metrics.jsonl": b'{"step": 1}\n'}
