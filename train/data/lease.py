@@ -2,9 +2,9 @@
 
 Rank 0 writes the lease at FIT_START, rewrites it at the first BATCH_END after each LEASE_REFRESH_S of wall
 time (a clock check per step, at most one write per refresh period, no storage call otherwise) and
-deletes it at FIT_END / close. A job that hangs or dies stops refreshing, so its lease expires after
-LEASE_TTL_S and gc may reclaim the version. A failed write (an S3 hiccup) is logged and retried a
-minute later; it never stops training.
+deletes it at FIT_END. A job that stops (to be resumed), hangs or dies stops refreshing, so its lease
+expires LEASE_TTL_S after its last write and gc may reclaim the version then. A failed write (an S3
+hiccup) is logged and retried a minute later; it never stops training.
 """
 
 from __future__ import annotations
@@ -55,8 +55,8 @@ class DatasetLease(Callback):
     def fit_end(self, state: State, logger: Logger) -> None:
         self._release()
 
-    def close(self, state: State, logger: Logger) -> None:
-        self._release()
+    # No release at close: a stopped or crashed run (a requeue, a restart) keeps its lease until it expires,
+    # so `encode gc` in the meantime leaves the version it resumes on (train/data/recorded.py).
 
     def _write(self) -> None:
         now = self.clock()

@@ -212,33 +212,10 @@ def _shard_file_problem(path: Path, size: int, samples: int) -> str | None:
 
 
 # --------------------------------------------------------------------------------------------- dataset
-def shard_failure(err: Exception) -> DataError | None:
-    """What a shard download that failed for good means for the user (None: not a data problem). Streaming
-    raises it in its download thread, which the reading thread reports only as "Background thread
-    failed" under a few hundred lines of traceback."""
-    text = str(err)
-    if isinstance(err, ValueError) and "Checksum failure" in text:
-        return DataError(
-            f"{err}: the shard's bytes do not match the {SHARD_HASH} hash its index recorded at encode "
-            "time, so it was changed or damaged after encoding; re-run `make encode` into a fresh output.uri "
-            "(or restore the file)"
-        )
-    # Streaming's S3 download names a missing object "Object <uri> not found!"; a local one is a
-    # FileNotFoundError.
-    if isinstance(err, FileNotFoundError) or " not found! " in text:
-        what = storage.redact_url(text.split(" Either ")[0])
-        return DataError(
-            f"a shard this dataset version's index names is missing ({what}): "
-            "it was deleted after encoding (`encode gc --force`, a bucket lifecycle rule, by hand); restore "
-            "it, or re-run `make encode` into a fresh output.uri, or pass data.version=<another version>"
-        )
-    return None
-
-
 def _streaming_dataset_class() -> type:
     from streaming import StreamingDataset
 
-    from train.data.mds_reader import decode_train_columns_only
+    from train.data.mds_reader import decode_train_columns_only, shard_failure
 
     class LatentStreamingDataset(StreamingDataset):
         """StreamingDataset whose rows carry only the precomputed columns plus a per-sample seed.

@@ -21,7 +21,7 @@ from train.checkpoints.files import find_latest_checkpoint, resolve_checkpoint
 from train.config import TrainConfig, time_count
 from train.config.memory import memory_plan_line  # the dry-run plan says the same line
 from train.data.buckets import check_bucket_epochs, stream_entries
-from train.data.loader import PinnedData, pin_version, read_dataset_manifest
+from train.data.loader import DataError, PinnedData, pin_version, read_dataset_manifest
 from train.data.mix import (
     PinnedStream,
     check_same_encoders,
@@ -29,6 +29,7 @@ from train.data.mix import (
     pin_streams,
     read_stream_manifests,
 )
+from train.data.recorded import pin_recorded_versions, recorded_version_gone
 from train.model.compile_plan import check_cuda_graphs
 
 log = logging.getLogger(__name__)
@@ -113,6 +114,22 @@ def prepare_data(cfg: TrainConfig) -> tuple[DatasetManifest, PinnedData, list[Pi
     check_same_encoders(manifests)
     streams = pin_streams(cfg.data, manifests)
     return manifests[0][1], streams[0].pinned, streams
+
+
+def prepare_data_of(
+    cfg: TrainConfig, run_name: str, start: StartPoint
+) -> tuple[DatasetManifest, PinnedData, list[PinnedStream], TrainConfig]:
+    """prepare_data, a resume on the versions it trained on (train/data/recorded.py); the config with
+    them."""
+    if not start.resuming:
+        return (*prepare_data(cfg), cfg)
+    recorded = pin_recorded_versions(cfg, [local_run_dir(cfg, run_name), cfg.save_folder])
+    try:
+        return (*prepare_data(recorded), recorded)
+    except FileNotFoundError as err:
+        if recorded is cfg:
+            raise
+        raise DataError(recorded_version_gone(cfg.data, err)) from None
 
 
 def stream_epoch_counts(cfg: TrainConfig, streams: list[PinnedStream]) -> list[int]:
@@ -270,10 +287,11 @@ def prepare_run(cfg: TrainConfig) -> RunContext:
     batching = derive_batching(cfg.global_batch_size, world, cfg.device_microbatch_size)
     check_cuda_graphs(cfg, device, batching.grad_accum)
     log_gpu_memory_fit(cfg, device, world)
-    manifest, pinned, streams = prepare_data(cfg)
+    run_name = cfg.resolved_run_name()
+    start = resolve_start(cfg)
+    manifest, pinned, streams, cfg = prepare_data_of(cfg, run_name, start)
     entries = stream_entries(pinned, streams)  # refused here, before any model is built:
     check_bucket_epochs(entries, batching.global_batch, cfg.data.epoch_size, cfg.shuffle_seed())
-    run_name = cfg.resolved_run_name()
     ctx = RunContext(
         cfg=cfg,
         run_name=run_name,
@@ -283,7 +301,7 @@ def prepare_run(cfg: TrainConfig) -> RunContext:
         manifest=manifest,
         pinned=pinned,
         local_dir=local_run_dir(cfg, run_name),
-        start=resolve_start(cfg),
+        start=start,
         streams=streams,
     )
     log_run(ctx)

@@ -37,6 +37,7 @@ from train.data.buckets import compile_per_bucket, run_streams, sample_buckets
 from train.data.loader import build_dataloader
 from train.data.mix import mix_record
 from train.data.packing import packed_data_spec
+from train.data.recorded import CONFIG_FILENAME
 from train.loop.compiled import CompiledGraphsLog, composer_ddp
 from train.loop.cpu_fsdp import composer_fsdp_on_cpu
 from train.loop.prepare import RunContext, check_ranks_agree, prepare_run, rank_decisions
@@ -52,7 +53,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-CONFIG_FILENAME = "train_config.yaml"
 METRICS_FILENAME = "metrics.jsonl"
 SAMPLES_DIRNAME = "samples"
 

@@ -18,6 +18,7 @@ from shared.manifest import read_manifest
 from tests.train.conftest import TinyRun, tiny_config, write_fake_dataset
 from train.checkpoints.record import DatasetChangedError, ObjectiveChangedError, RunRecord
 from train.config import TrainConfig
+from train.data.loader import DataError
 from train.ema.algorithm import find_ema, select_unet_weights
 from train.loop.trainer import build_trainer, fit
 
@@ -121,6 +122,22 @@ def test_resume_with_another_objective_is_refused_and_a_weights_only_phase_is_no
         *changed, f"load_path={save}", "load_weights_only=true",
     )  # fmt: skip
     assert int(fit(phase).state.timestamp.batch) == 1
+
+
+def test_a_resume_streams_the_version_it_trained_on_after_a_re_encode(tmp_path: Path) -> None:
+    """A re-encode published while the run was stopped (a requeue, a restart): every restart pinned the new
+    current version and was refused (docs/reliability.md promises a re-encode changes nothing for a job)."""
+    data, save = tmp_path / "data", tmp_path / "save"
+    write_fake_dataset(data, n=64, version="v1")
+    common = ("samples.enabled=false", "save_interval=1ba")
+    fit(tiny_config(str(data), save, tmp_path / "cache", "max_duration=2ba", *common))
+    write_fake_dataset(data, n=64, version="v2", salt="re-encoded")  # now the current version
+    resumed = fit(tiny_config(str(data), save, tmp_path / "cache-2", "max_duration=3ba", *common))
+    assert int(resumed.state.timestamp.batch) == 3
+    assert "version: v1" in (save / "train_config.yaml").read_text()
+    shutil.rmtree(data / "versions" / "v1")  # `encode gc` while the run was stopped
+    with pytest.raises(DataError, match=r"trained on is gone .*data\.allow_dataset_change=true"):
+        build_trainer(tiny_config(str(data), save, tmp_path / "cache-3", "max_duration=4ba", *common))
 
 
 def test_allow_dataset_change_resumes_anyway(tiny_run: TinyRun, tmp_path: Path) -> None:
