@@ -138,13 +138,18 @@ def gc(
     keep: int = typer.Option(1, help="how many newest versions to keep (the current one always stays)"),
     dry_run: bool = typer.Option(False, "--dry-run", help="list what would be deleted, delete nothing"),
     force: bool = typer.Option(False, "--force", help="also delete versions running jobs hold leases on"),
+    min_age_minutes: float = typer.Option(
+        60, "--min-age-minutes", help="keep partition folders with no done-marker written this recently"
+    ),
 ) -> None:
     """Delete old dataset versions and partition outputs that no kept or leased version uses."""
-    from encode.publish.finalize import collect_garbage, describe_gc
+    from encode.publish.gc import collect_garbage, describe_gc
     from shared.manifest import Layout
 
     cfg = load(dataset, overrides)
-    report = collect_garbage(Layout(cfg.output.uri), keep=keep, dry_run=dry_run, force=force)
+    report = collect_garbage(
+        Layout(cfg.output.uri), keep=keep, dry_run=dry_run, force=force, min_age_s=min_age_minutes * 60
+    )
     typer.echo("\n".join(describe_gc(report, dry_run)))
 
 

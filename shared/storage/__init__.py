@@ -195,6 +195,7 @@ class FileInfo:
     uri: str
     size: int
     version: str  # mtime (local) or ETag (S3): changes when the content is replaced
+    modified: float = 0.0  # seconds since the epoch it was last written (local mtime, S3 LastModified)
 
 
 def list_files(prefix: str) -> list[FileInfo]:
@@ -217,7 +218,8 @@ def list_files(prefix: str) -> list[FileInfo]:
         for page in paginator.paginate(Bucket=bucket, Prefix=key):
             for obj in page.get("Contents", []):
                 uri = f"{S3_SCHEME}{bucket}/{obj['Key']}"
-                out.append(FileInfo(uri, int(obj["Size"]), str(obj.get("ETag", "")).strip('"')))
+                modified = obj["LastModified"].timestamp() if "LastModified" in obj else 0.0
+                out.append(FileInfo(uri, int(obj["Size"]), str(obj.get("ETag", "")).strip('"'), modified))
     except Exception as err:
         raise _s3_error(err, prefix) from None
     return sorted(out, key=lambda info: info.uri)
@@ -225,7 +227,7 @@ def list_files(prefix: str) -> list[FileInfo]:
 
 def _local_info(path: Path) -> FileInfo:
     stat = path.stat()
-    return FileInfo(str(path), stat.st_size, str(stat.st_mtime_ns))
+    return FileInfo(str(path), stat.st_size, str(stat.st_mtime_ns), stat.st_mtime)
 
 
 def stat(uri: str) -> FileInfo:

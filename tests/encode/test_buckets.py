@@ -13,7 +13,7 @@ from encode.config import EncodeConfig
 from encode.plan.fingerprints import EncoderIds, StageFingerprints, stage_fingerprints
 from encode.process.encoders import Encoders
 from encode.process.images import resize_center_crop, resize_cover
-from encode.publish.finalize import collect_garbage
+from encode.publish.gc import collect_garbage
 from shared import contract, storage
 from shared.buckets import auto_buckets, cover_box, cropped_shares, kept_fraction, nearest_bucket
 from shared.config import ConfigError

@@ -19,7 +19,8 @@ from encode.pipeline import RankInfo, RankSummary, run_rank
 from encode.plan.reuse import iter_mds_rows
 from encode.process.encoders import Encoders, load_encoders
 from encode.process.prepare import PartitionEnd, PreparedBatch, PreparedSample, batch_partition
-from encode.publish.finalize import NotFinishedError, PublishResult, collect_garbage, publish
+from encode.publish.finalize import NotFinishedError, PublishResult, publish
+from encode.publish.gc import collect_garbage
 from encode.sample_data import build_parquet, build_webdataset
 from encode.sources import list_partitions
 from shared import contract, storage

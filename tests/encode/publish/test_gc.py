@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from encode.cli import app
 from encode.process.encoders import Encoders, load_encoders
-from encode.publish.finalize import collect_garbage, describe_gc
+from encode.publish.gc import collect_garbage, describe_gc
 from encode.sample_data import build_webdataset
 from shared import leases
 from shared.manifest import Layout, read_manifest
@@ -126,3 +126,20 @@ def test_gc_keeps_markers_finished_after_the_version_and_refuses_unreadable_time
     _set_marker_times(out, "yesterday")  # a marker is data: a time that does not parse is refused
     report = collect_garbage(Layout(str(out)), keep=1)
     assert report.deleted_markers == 0 and len(report.unreadable_markers) == len(newer)
+
+
+def test_gc_leaves_a_partition_folder_an_encode_may_still_be_uploading(
+    dataset: tuple[Path, Path, str, str],
+) -> None:
+    """An encode uploads a partition's files before its done-marker (minutes on S3): gc took such a folder
+    for unreferenced and deleted it, and the encode then published a version naming missing shards."""
+    _, out, _, _ = dataset
+    uploading = out / "32" / "00000-tar-0123456789ab"  # encode's own naming, no marker yet
+    uploading.mkdir(parents=True)
+    (uploading / "shard.00000.mds").write_bytes(b"half a partition")
+    report = collect_garbage(Layout(str(out)), keep=1, min_age_s=HOUR_S)
+    assert report.recent == ["32/00000-tar-0123456789ab"] and uploading.is_dir()  # not the replaced ones
+    assert "32/00000-tar-0123456789ab" not in report.deleted_partition_dirs
+    assert "no done-marker yet, written in the last 60 min" in "\n".join(describe_gc(report, dry_run=False))
+    later = collect_garbage(Layout(str(out)), keep=1, min_age_s=HOUR_S, now=time.time() + 2 * HOUR_S)
+    assert "32/00000-tar-0123456789ab" in later.deleted_partition_dirs and not uploading.exists()

@@ -17,7 +17,8 @@ import pytest
 from encode.pipeline import RankInfo, run_rank
 from encode.plan.reuse import UnsafeOutputError, iter_mds_rows, open_mds_readers
 from encode.process.encoders import Encoders, load_encoders
-from encode.publish.finalize import UnreadableMarkersError, collect_garbage, publish
+from encode.publish.finalize import UnreadableMarkersError, publish
+from encode.publish.gc import collect_garbage
 from encode.sample_data import build_webdataset
 from shared import contract
 from shared.manifest import Layout, read_manifest
