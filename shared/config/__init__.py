@@ -67,7 +67,7 @@ def load_config(
     elif source is not None:
         path = resolve_job_file(source, kind) if kind else Path(source)
         where = str(path)
-        loaded = yaml.safe_load(path.read_text()) or {}
+        loaded = _read_yaml(path)
         if not isinstance(loaded, dict):
             raise ConfigError(f"{path} must hold a mapping at the top level, not {type(loaded).__name__}")
         raw = loaded
@@ -165,11 +165,38 @@ def unknown_key_message(prefix: str, keys: typing.Sequence[str], known: typing.I
     return f"unknown key{plural} {', '.join(named)}; known keys {section}: {', '.join(known)}"
 
 
+def _read_yaml(path: Path) -> Any:
+    """A config file's YAML; a file that is not one is a ConfigError naming it (not a parser traceback)."""
+    try:
+        return yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except IsADirectoryError:
+        raise ConfigError(f"{path} is a folder; pass a YAML file (or a job name from jobs/)") from None
+    except UnicodeDecodeError as err:
+        raise ConfigError(
+            f"{path} is not UTF-8 text ({err.reason} at byte {err.start}); save it as UTF-8"
+        ) from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path} is not valid YAML: {_yaml_problem(err)}") from None
+
+
+def _yaml_problem(err: yaml.YAMLError) -> str:
+    """The parser's problem and where (line, column), in one line."""
+    mark = getattr(err, "problem_mark", None)
+    problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+    return f"{problem} at line {mark.line + 1}, column {mark.column + 1}" if mark else str(problem)
+
+
 def _apply_override(raw: dict[str, Any], item: str) -> None:
     if "=" not in item:
         raise ConfigError(f"override {item!r} must look like key=value (e.g. output.uri=/tmp/out)")
     dotted, text = item.split("=", 1)
-    value = yaml.safe_load(text) if text.strip() else ""
+    try:
+        value = yaml.safe_load(text) if text.strip() else ""
+    except yaml.YAMLError as err:
+        raise ConfigError(
+            f"override {item!r}: the value is not valid YAML ({_yaml_problem(err)}); quote it, e.g. "
+            f"{dotted}='\"...\"', or close its brackets"
+        ) from None
     node = raw
     parts = dotted.strip().split(".")
     for part in parts[:-1]:
@@ -183,7 +210,7 @@ def _apply_override(raw: dict[str, Any], item: str) -> None:
 def build_dataclass(cls: type[T], raw: Mapping[str, Any], where: str = "<mapping>", prefix: str = "") -> T:
     """Recursively coerce a mapping into dataclass `cls`, rejecting unknown keys."""
     if not isinstance(raw, Mapping):
-        raise ConfigError(f"{where}: {prefix or 'config'} must be a mapping, got {raw!r}")
+        raise ConfigError(f"{where}: {prefix.rstrip('.') or 'config'} must be a mapping, got {raw!r}")
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}  # type: ignore[arg-type]
     unknown = sorted(set(raw) - set(fields))
     if unknown:

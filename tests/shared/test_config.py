@@ -168,7 +168,7 @@ def test_a_key_with_no_close_match_gets_no_suggestion() -> None:
 
 
 def test_section_given_a_scalar_is_rejected() -> None:
-    with pytest.raises(ConfigError, match=r"inner\. must be a mapping, got 5"):
+    with pytest.raises(ConfigError, match=r"inner must be a mapping, got 5"):
         load_config(Job, {"inner": 5})
 
 
@@ -367,3 +367,30 @@ def test_a_bad_value_from_the_command_line_is_blamed_on_it(tmp_path: Path) -> No
     bad_file = write_yaml(tmp_path, "workers: abc\n")
     with pytest.raises(ConfigError, match=rf"^{bad_file}: workers must be an integer"):
         load_config(Job, bad_file, ["lr=0.1"])
+
+
+@pytest.mark.parametrize(
+    ("content", "says"),
+    [
+        (b"name: [a, b\n", r"is not valid YAML: .* at line 2, column 1"),
+        ("name: caf\xe9\n".encode("latin-1"), r"is not UTF-8 text .*save it as UTF-8"),
+        (None, r"is a folder; pass a YAML file"),
+    ],
+    ids=["syntax", "latin-1", "folder"],
+)
+def test_a_config_file_that_is_not_yaml_is_one_line_naming_it(tmp_path: Path, content, says: str) -> None:
+    """A typo in a job file was a yaml ScannerError (or UnicodeDecodeError, IsADirectoryError) traceback."""
+    path = tmp_path / "job.yaml"
+    if content is None:
+        path.mkdir()
+    else:
+        path.write_bytes(content)
+    with pytest.raises(ConfigError, match=says):
+        load_config(Job, str(path))
+
+
+def test_an_override_that_is_not_yaml_names_it_and_the_fix() -> None:
+    with pytest.raises(ConfigError, match=r"override 'name=\[a': the value is not valid YAML .*quote it"):
+        load_config(Job, None, ["name=[a"])
+    with pytest.raises(ConfigError, match=r"inner must be a mapping, got 3"):
+        load_config(Job, None, ["inner=3"])
