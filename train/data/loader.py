@@ -26,10 +26,7 @@ import logging
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
-
-import numpy as np
 
 from shared import storage
 from shared.contract import (
@@ -50,7 +47,6 @@ from train.data.streaming_host import DataError, claim_local_dir, streaming_pref
 log = logging.getLogger(__name__)
 
 _SEED_MASK = (1 << 63) - 1  # a non-negative 63-bit seed: any int64 tensor holds it (train/data/draws.py)
-_MDS_OFFSET = np.dtype("<u4")  # an MDS shard starts with its sample count, then count + 1 uint32 offsets
 STREAM_INDEX = "stream_index"  # int64 batch column: which stream of data.streams a sample came from (0: one)
 
 
@@ -171,44 +167,11 @@ def place_index(index_uri: str, local: str, shapes: Shapes, num_samples: int, re
         raise ContractError(f"{index_uri} is not valid JSON ({err}); re-run `make encode`") from None
     summary = check_index(index, shapes, num_samples, index_uri)
     if not storage.is_s3(remote):
+        from train.data.mds_reader import check_shard_files
+
         check_shard_files(index, remote)
     storage.write_bytes(os.path.join(local, "index.json"), data)
     return summary
-
-
-def check_shard_files(index: dict[str, Any], stream_root: str) -> None:
-    """Local datasets: each uncompressed shard file must be the size its index says and hold the samples it
-    says (a truncated shard, or an index whose count disagrees with its shard, would crash mid-epoch).
-    Reads only each shard's header. S3 shards are checked by their hash when first downloaded."""
-    for shard in index["shards"]:
-        raw = shard["raw_data"]
-        path = storage.contained_path(stream_root, raw["basename"], f"shard {raw['basename']}")
-        if not path.is_file():
-            if shard.get("zip_data"):
-                continue  # only the compressed file is stored; Streaming checks it when it decompresses
-            raise ContractError(f"shard file {path} named by the index is missing; re-run `make encode`")
-        problem = _shard_file_problem(path, int(raw["bytes"]), int(shard["samples"]))
-        if problem:
-            raise ContractError(
-                f"shard file {path} {problem}; it was truncated or edited after `make encode`: re-run "
-                "`make encode` into a fresh output.uri"
-            )
-
-
-def _shard_file_problem(path: Path, size: int, samples: int) -> str | None:
-    actual = path.stat().st_size
-    if actual != size:
-        return f"is {actual} bytes but its index says {size}"
-    with open(path, "rb") as handle:
-        header = handle.read(_MDS_OFFSET.itemsize * (samples + 2))
-    if len(header) < _MDS_OFFSET.itemsize * (samples + 2):
-        return f"is too short for the {samples} samples its index says"
-    count, *offsets = np.frombuffer(header, _MDS_OFFSET).tolist()
-    if count != samples:
-        return f"holds {count} samples but its index says {samples}"
-    if offsets[-1] != actual:
-        return f"ends its last sample at byte {offsets[-1]}, not at its size {actual}"
-    return None
 
 
 # --------------------------------------------------------------------------------------------- dataset
@@ -240,7 +203,17 @@ def _streaming_dataset_class() -> type:
                 self.shard_failure = shard_failure(err)
                 if self.shard_failure is None:
                     raise
+                self.forget_failed_shard(shard_id)
                 raise self.shard_failure from None
+
+        def forget_failed_shard(self, shard_id: int) -> None:
+            """A shard that failed its hash check leaves no copy in the cache. Streaming checks a hash only
+            when it downloads: the damaged copy it kept was taken as present by a later run, read unchecked
+            (it trained on it and exited 0) or waited on forever (a hang, deaf to SIGTERM). Its state stays
+            as Streaming left it: this epoch's threads are ending on the error."""
+            stream = self.streams[self.stream_per_shard[shard_id]]
+            if stream.remote and os.path.abspath(stream.remote) != os.path.abspath(stream.local):
+                self.shards[shard_id].evict()  # the cache's copy; never the dataset's own files
 
         def __iter__(self) -> Iterator[dict[str, Any]]:
             # A failed download thread can end Streaming's epoch early and quietly; never end it on one.

@@ -3,11 +3,13 @@
 Streaming's MDSReader decodes every column of a row, including `key` and `caption`, which training never
 uses: a caption with non-UTF-8 bytes in a stored shard would stop the job with a UnicodeDecodeError deep in
 a dataloader worker. Columns outside TRAIN_COLUMNS are skipped, never decoded. And what a shard that cannot
-be read or downloaded means for the user (`shard_failure`).
+be read or downloaded means for the user (`shard_failure`), and the check of a local dataset's shard files
+before step 1 (`check_shard_files`).
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -15,7 +17,7 @@ from streaming.base.format.mds.encodings import mds_decode
 from streaming.base.format.mds.reader import MDSReader
 
 from shared import storage
-from shared.contract import SHARD_HASH, TRAIN_COLUMNS
+from shared.contract import SHARD_HASH, TRAIN_COLUMNS, ContractError
 from train.data.streaming_host import DataError
 
 _SIZE_PREFIX = np.dtype("<u4")  # a variable-size MDS value is preceded by its byte count
@@ -66,4 +68,42 @@ def shard_failure(err: Exception) -> DataError | None:
             "it was deleted after encoding (`encode gc --force`, a bucket lifecycle rule, by hand); restore "
             "it, or re-run `make encode` into a fresh output.uri, or pass data.version=<another version>"
         )
+    return None
+
+
+_MDS_OFFSET = np.dtype("<u4")  # an MDS shard starts with its sample count, then count + 1 uint32 offsets
+
+
+def check_shard_files(index: dict[str, Any], stream_root: str) -> None:
+    """Local datasets: each uncompressed shard file must be the size its index says and hold the samples it
+    says (a truncated shard, or an index whose count disagrees with its shard, would crash mid-epoch).
+    Reads only each shard's header. S3 shards are checked by their hash when first downloaded."""
+    for shard in index["shards"]:
+        raw = shard["raw_data"]
+        path = storage.contained_path(stream_root, raw["basename"], f"shard {raw['basename']}")
+        if not path.is_file():
+            if shard.get("zip_data"):
+                continue  # only the compressed file is stored; Streaming checks it when it decompresses
+            raise ContractError(f"shard file {path} named by the index is missing; re-run `make encode`")
+        problem = _shard_file_problem(path, int(raw["bytes"]), int(shard["samples"]))
+        if problem:
+            raise ContractError(
+                f"shard file {path} {problem}; it was truncated or edited after `make encode`: re-run "
+                "`make encode` into a fresh output.uri"
+            )
+
+
+def _shard_file_problem(path: Path, size: int, samples: int) -> str | None:
+    actual = path.stat().st_size
+    if actual != size:
+        return f"is {actual} bytes but its index says {size}"
+    with open(path, "rb") as handle:
+        header = handle.read(_MDS_OFFSET.itemsize * (samples + 2))
+    if len(header) < _MDS_OFFSET.itemsize * (samples + 2):
+        return f"is too short for the {samples} samples its index says"
+    count, *offsets = np.frombuffer(header, _MDS_OFFSET).tolist()
+    if count != samples:
+        return f"holds {count} samples but its index says {samples}"
+    if offsets[-1] != actual:
+        return f"ends its last sample at byte {offsets[-1]}, not at its size {actual}"
     return None

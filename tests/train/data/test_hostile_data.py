@@ -203,6 +203,14 @@ def test_shard_changed_after_encode_fails_its_hash_check(
     with pytest.raises(DataError, match=rf"do not match the {SHARD_HASH} hash"):
         fit(config(dataset, tmp_path))
     assert_no_checkpoint(tmp_path)
+    # Streaming checks a hash only on download: the damaged copy it kept in the cache was read unchecked
+    # by the next run (which trained on it and exited 0), or the shard stayed "being prepared" (a hang).
+    damaged = first_shard(dataset).relative_to(dataset / str(RES))
+    cached = [p for p in (tmp_path / "cache").rglob("shard.*") if p.as_posix().endswith(damaged.as_posix())]
+    assert not cached, cached
+    with pytest.raises(DataError, match=rf"do not match the {SHARD_HASH} hash"):
+        fit(config(dataset, tmp_path))
+    assert_no_checkpoint(tmp_path)
 
 
 @pytest.mark.s3
