@@ -17,7 +17,7 @@ from encode.launch import launch_command
 from encode.sample_data import BUILDERS
 from encode.sample_data import build as build_sample_data
 from shared.config import ConfigError, load_config
-from shared.runtime.exits import Stop, add_debug_option, guard_commands
+from shared.runtime.exits import Stop, add_debug_option, guard_commands, path_problem
 from shared.runtime.exits import main as run_app
 
 HELP_WIDTH = shutil.get_terminal_size((120, 24)).columns  # COLUMNS, the terminal, or 120 when piped
@@ -59,7 +59,7 @@ def classify(err: BaseException) -> Stop | None:
         return Stop(1, prefix="")
     if isinstance(err, (FileNotFoundError, SourceError, StorageError, ConfigError, ContractError)):
         return Stop(2)
-    return None
+    return path_problem(err)
 
 
 def setup_logging() -> None:

@@ -10,7 +10,7 @@ import shutil
 import typer
 
 from shared.launch.control import EXIT_FATAL
-from shared.runtime.exits import Stop, add_debug_option, guard_commands, main
+from shared.runtime.exits import Stop, add_debug_option, guard_commands, main, path_problem
 
 HELP_WIDTH = shutil.get_terminal_size((120, 24)).columns  # COLUMNS, the terminal, or 120 when piped
 app = typer.Typer(
@@ -83,7 +83,7 @@ def classify(err: BaseException) -> Stop | None:
         return Stop(1, message=f"{err} (an outage, not a setting: a rerun resumes from the last checkpoint)")
     if isinstance(err, _user_errors()):
         return Stop(EXIT_FATAL)
-    return None
+    return path_problem(err)
 
 
 def _is_outage(err: BaseException) -> bool:
@@ -117,6 +117,10 @@ def fit(
         # the supervisor stops instead of restarting (shared/launch/supervisor.py); an outage it restarts
         if not _is_outage(err):
             record_fatal(err, "finished" if isinstance(err, RunFinishedError) else "fatal")
+        raise
+    except OSError as err:  # a read-only or full disk, a file where a folder goes: no restart fixes it
+        if path_problem(err) is not None:
+            record_fatal(err)
         raise
     except ValueError as err:  # Composer's own finished-run check, for max_duration in epochs or samples
         if "elapsed training duration" not in str(err):

@@ -21,6 +21,7 @@ lost) one line too.
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import os
 import shutil
@@ -51,6 +52,28 @@ class Stop:
 
 
 Classify = Callable[[BaseException], Stop | None]
+
+# What the operating system says about a path the user chose (an output folder, a save folder, a data
+# path): a setting or a disk to fix, not a bug. FileNotFoundError is each stage's own (it names the path).
+PATH_PROBLEMS = {
+    errno.EROFS: "the file system is read-only",
+    errno.ENOSPC: "the disk is full: free space or point the path at a larger disk",
+    errno.EDQUOT: "the disk quota is used up",
+    errno.EACCES: "no permission to write or read there",
+    errno.EPERM: "no permission to write or read there",
+    errno.ENOTDIR: "a part of the path is a file, not a folder",
+    errno.EISDIR: "it is a folder, where a file was expected",
+    errno.EEXIST: "a file is in the way of a folder",
+}
+
+
+def path_problem(err: BaseException) -> Stop | None:
+    """An OSError about a path the user gave (read-only, full, not a folder...): one line, exit 2."""
+    from shared.storage import StorageError
+
+    if not isinstance(err, OSError) or isinstance(err, StorageError) or err.errno not in PATH_PROBLEMS:
+        return None
+    return Stop(EXIT_FATAL, message=f"{err} ({PATH_PROBLEMS[err.errno]})")
 
 
 def debug_enabled() -> bool:

@@ -117,6 +117,16 @@ def test_user_errors_print_one_line_naming_the_fix(tmp_path: Path) -> None:
         check=False,
     )
     assert unknown.returncode == 2 and "transform.resolutionz" in unknown.stderr
+    build_webdataset(tmp_path / "src", shards=1, per_shard=4, seed=1)
+    (tmp_path / "a-file").write_text("not a folder")
+    in_the_way = subprocess.run(
+        [sys.executable, "-m", "encode", "run", "sample", f"source.uri={tmp_path}/src",
+         f"output.uri={tmp_path}/a-file", "workers=0", *SMALL],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert in_the_way.returncode == 2, in_the_way.stderr[-2000:]
+    assert "Traceback" not in in_the_way.stderr
+    assert "a part of the path is a file, not a folder" in in_the_way.stderr
 
 
 def test_a_node_without_gpus_in_a_job_of_several_nodes_is_refused_before_the_models_load(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import socket
 import subprocess
@@ -85,6 +86,9 @@ def test_classify_knows_the_expected_stops() -> None:
     assert classify(ResumableStop(1, "SIGTERM", None)) == Stop(75, prefix="")
     assert classify(ConfigError("x")) == Stop(2)
     assert classify(KeyError("x")) is None
+    full = classify(OSError(errno.ENOSPC, "No space left on device", "/ckpt/ep0-ba4-rank0.pt"))
+    assert full is not None and full.code == 2 and "the disk is full" in str(full.message)
+    assert classify(OSError(errno.ECONNRESET, "Connection reset")) is None  # not a path: a bug or a crash
     assert classify(StorageError("S3 request failed: AccessDenied")) == Stop(2)
     outage = classify(StorageError("S3 request failed: Could not connect", transient=True))
     assert (
