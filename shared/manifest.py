@@ -25,7 +25,7 @@ import numpy as np
 
 from shared import storage
 from shared.buckets import parse_bucket
-from shared.contract import CONTRACT_VERSION, Shapes
+from shared.contract import CONTRACT_VERSION, ContractError, Shapes
 from shared.encoders import EncoderIdentity
 
 MANIFEST_NAME = "manifest.json"
@@ -202,9 +202,15 @@ def read_manifest(root: str, version: str | None = None) -> DatasetManifest:
     layout = Layout(root)
     uri = layout.version_manifest(version) if version else layout.manifest
     try:
-        return DatasetManifest.from_json(storage.read_json(uri))
+        raw = storage.read_json(uri)
     except FileNotFoundError:
         raise FileNotFoundError(
-            f"no dataset manifest at {uri}: point data.uri at the output.uri of a finished `make encode` "
-            "run (or run `python -m encode finalize` if its ranks finished but never merged)"
+            f"no dataset manifest at {uri}: point to the output.uri of a finished `make encode` run (or run "
+            "`python -m encode finalize` if its ranks finished but never merged)"
         ) from None
+    except (ValueError, UnicodeDecodeError) as err:  # JSONDecodeError is a ValueError
+        raise ContractError(
+            f"{uri} is not a readable manifest ({err}): it was cut short or edited; restore it (the root "
+            "manifest.json is a copy of the current version's versions/<version>/manifest.json)"
+        ) from None
+    return DatasetManifest.from_json(raw)

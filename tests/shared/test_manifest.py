@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from shared import storage
-from shared.contract import CONTRACT_VERSION, Shapes, mds_columns
+from shared.contract import CONTRACT_VERSION, ContractError, Shapes, mds_columns
 from shared.manifest import (
     DatasetManifest,
     Layout,
@@ -154,3 +154,11 @@ def test_every_index_sits_the_same_depth_below_a_stream_root() -> None:
     current = storage.relpath(layout.current_index(256), layout.stream_root(256))
     older = storage.relpath(layout.version_index("v1", 256), storage.join(layout.version_dir("v1"), "256"))
     assert current == older == "index.json"
+
+
+@pytest.mark.parametrize("content", [b"", b'{"version": "v1", "pres'], ids=["empty", "cut-short"])
+def test_a_damaged_manifest_is_one_contract_error_naming_it(tmp_path: Path, content: bytes) -> None:
+    """It was a JSONDecodeError traceback in train fit, encode gc and encode run (at publish)."""
+    (tmp_path / "manifest.json").write_bytes(content)
+    with pytest.raises(ContractError, match=r"manifest.json is not a readable manifest .*restore it"):
+        read_manifest(str(tmp_path))

@@ -238,10 +238,12 @@ def load_weights_only(path: str | Path, source: str | None = None, map_location:
             "checkpoints written by `python -m train fit` load; point load_path (or save_folder's "
             f"{LATEST_NAME}) at one of those"
         ) from err
-    except (RuntimeError, EOFError, ValueError) as err:
+    except (RuntimeError, EOFError, ValueError, KeyError, IndexError) as err:
+        # KeyError / IndexError: torch's legacy (non-zip) reader on a short file that is no checkpoint
         raise UnsafeCheckpointError(
-            f"cannot read {name} as a torch checkpoint ({err}); it is truncated or not a checkpoint. Point "
-            f"load_path (or save_folder's {LATEST_NAME}) at a complete checkpoint"
+            f"cannot read {name} as a torch checkpoint ({type(err).__name__}: {err or 'no detail'}); it is "
+            f"truncated or not a checkpoint. Point load_path (or save_folder's {LATEST_NAME}) at a complete "
+            "checkpoint"
         ) from err
 
 

@@ -274,7 +274,13 @@ def read_full_checkpoint(path: str | Path) -> dict[str, Any]:
     sharded folder consolidated (both safe, see the module doc)."""
     if Path(path).is_dir():
         return consolidate_sharded_checkpoint(path)
-    return load_weights_only(path)
+    loaded = load_weights_only(path)
+    if not isinstance(loaded, dict) or not isinstance(loaded.get("state"), dict):
+        raise UnsafeCheckpointError(
+            f"{path} is a torch file but not a checkpoint of `python -m train fit` (no training state in "
+            "it); pass one of its checkpoints or its save folder"
+        )
+    return loaded
 
 
 ALGORITHMS_KEY = "algorithms"

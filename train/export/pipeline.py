@@ -163,8 +163,16 @@ def save_pipeline(pipe: Any, out: str, buckets: dict[str, Any] | None = None) ->
         pipe.save_pretrained(target, safe_serialization=True)
         _write_buckets(target, buckets)
         storage.upload_dir(target, out)
+    stale = storage.join(out, BUCKETS_FILE)
+    if buckets is None and storage.exists(stale):  # an earlier export's, into the same folder
+        storage.delete(stale)
 
 
 def _write_buckets(folder: str, buckets: dict[str, Any] | None) -> None:
+    """buckets.json, or none: an earlier export's into the same folder would claim buckets this model was
+    never trained on (samples and evals read it)."""
+    path = Path(folder, BUCKETS_FILE)
     if buckets is not None:
-        Path(folder, BUCKETS_FILE).write_text(json.dumps(buckets, indent=1) + "\n")
+        path.write_text(json.dumps(buckets, indent=1) + "\n")
+    else:
+        path.unlink(missing_ok=True)

@@ -95,6 +95,35 @@ def test_export_of_a_folder_without_checkpoints_names_the_fix(tmp_path: Path) ->
     assert result.exit_code == 2 and "save folder" in result.output
 
 
+@pytest.mark.parametrize(
+    "content", [b"hello\n", {"a": 1}, torch.zeros(3)], ids=["text", "other-dict", "tensor"]
+)
+def test_export_of_a_file_that_is_no_checkpoint_is_one_line(tmp_path: Path, content: object) -> None:
+    """Each was a KeyError / IndexError traceback (torch's legacy reader, or no "state" in it)."""
+    path = tmp_path / "ep0-ba1-rank0.pt"
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    else:
+        torch.save(content, path)
+    result = CliRunner().invoke(app, ["export", str(path), str(tmp_path / "out")])
+    assert result.exit_code == 2, result.output
+    assert "not a checkpoint" in result.output and "Traceback" not in result.output
+
+
+def test_a_square_export_into_a_bucketed_export_folder_leaves_no_buckets_json(
+    exported: Path, tiny_run: TinyRun, tmp_path: Path
+) -> None:
+    """An earlier export's buckets.json claimed buckets the new model never trained on."""
+    import shutil
+
+    out = tmp_path / "pipeline"
+    shutil.copytree(exported, out)
+    (out / "buckets.json").write_text('{"resolution": 64, "buckets": {"48x80": 10}}\n')
+    result = CliRunner().invoke(app, ["export", str(tiny_run.save), str(out)])
+    assert result.exit_code == 0, result.output
+    assert not (out / "buckets.json").exists()
+
+
 def test_init_from_an_exported_folder_loads_its_unet(exported: Path, tiny_run: TinyRun) -> None:
     from train.loop.trainer import build_unet
 
