@@ -54,6 +54,31 @@ def _seeded(seed: int) -> Any:
     return ctx
 
 
+# ------------------------------------------------------------------------------------- pretrained loads
+def load_pretrained(cls: Any, source: str, subfolder: str) -> Any:
+    """`cls.from_pretrained(source, subfolder=...)` for a diffusers folder or a hub id. A path that is no
+    folder (a typo in encoder.pretrained / model.init_from) is refused before anything contacts the hub,
+    and a load that fails is one line naming the source and the fix, not the hub client's traceback."""
+    from shared.config import ConfigError
+
+    local = Path(source).expanduser()
+    looks_local = source.startswith(("/", ".", "~")) or source.count("/") > 1
+    if looks_local and not local.is_dir():
+        raise ConfigError(
+            f"{source} is not a folder: pass a diffusers-format folder (with {subfolder}/ in it) or a hub id "
+            "such as stabilityai/stable-diffusion-2-base"
+        )
+    try:
+        return cls.from_pretrained(str(local) if looks_local else source, subfolder=subfolder)
+    except OSError as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ConfigError(
+            f"cannot load {subfolder} from {source} ({first}); without network, download the model first "
+            "(`huggingface-cli download stabilityai/stable-diffusion-2-base --local-dir /models/sd2`) and "
+            "pass that folder"
+        ) from None
+
+
 # --------------------------------------------------------------------------------------------------- VAE
 def build_vae(preset: Preset, pretrained: str | None = None) -> AutoencoderKL:
     """The preset's VAE in eval mode: from `pretrained` (folder or hub id) or random-init tiny weights."""
@@ -61,7 +86,7 @@ def build_vae(preset: Preset, pretrained: str | None = None) -> AutoencoderKL:
 
     source = pretrained or preset.pretrained
     if source:
-        vae = AutoencoderKL.from_pretrained(source, subfolder="vae")
+        vae = load_pretrained(AutoencoderKL, source, "vae")
     else:
         ctx = _seeded(preset.seed)
         try:
@@ -114,7 +139,7 @@ def build_tokenizer(preset: Preset, pretrained: str | None = None) -> CLIPTokeni
 
     source = pretrained or preset.pretrained
     if source:
-        return CLIPTokenizer.from_pretrained(source, subfolder="tokenizer")
+        return load_pretrained(CLIPTokenizer, source, "tokenizer")
     # The tokenizer reads its files once at construction; the folder is gone when this returns, so no
     # process leaves a clip-tokenizer folder behind in the shared temp dir.
     with tempfile.TemporaryDirectory(prefix="clip-tokenizer-") as tmp:
@@ -342,7 +367,7 @@ def build_text_encoder(
     if source:
         from transformers import CLIPTextModel
 
-        model = CLIPTextModel.from_pretrained(source, subfolder="text_encoder")
+        model = load_pretrained(CLIPTextModel, source, "text_encoder")
         check_penultimate_layer(model, preset, source)
     else:
         model = openclip_to_transformers(build_open_clip_tower(preset), preset)
@@ -355,7 +380,7 @@ def build_unet(preset: Preset, pretrained: str | None = None) -> UNet2DCondition
     from diffusers import UNet2DConditionModel
 
     if pretrained:
-        return UNet2DConditionModel.from_pretrained(pretrained, subfolder="unet")
+        return load_pretrained(UNet2DConditionModel, pretrained, "unet")
     ctx = _seeded(preset.seed + 2)
     try:
         return UNet2DConditionModel(**preset.unet)

@@ -224,3 +224,19 @@ def test_a_checkpoint_without_the_text_tower_is_refused(tmp_path: Path, preset: 
 def test_open_clip_backend_with_real_weights_needs_a_checkpoint() -> None:
     with pytest.raises(ValueError, match=r"needs encoder\.open_clip_checkpoint"):
         models.build_text_encoder(get_preset("sd2-base"), "open_clip")
+
+
+def test_a_pretrained_path_that_is_no_model_folder_is_one_line_and_never_the_hub(
+    preset: Preset, tmp_path: Path
+) -> None:
+    """A typo in encoder.pretrained went to huggingface.co (five retries, ~25 s), ending in a traceback."""
+    from shared.config import ConfigError
+
+    with pytest.raises(
+        ConfigError, match=r"/models/sd2-bsae is not a folder: pass a diffusers-format folder"
+    ):
+        models.build_vae(preset, "/models/sd2-bsae")
+    with pytest.raises(ConfigError, match=r"cannot load vae from .*empty.*and pass that folder"):
+        models.build_vae(
+            preset, str(tmp_path / "empty") + "/" if (tmp_path / "empty").mkdir() is None else ""
+        )
