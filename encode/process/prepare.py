@@ -71,6 +71,9 @@ class _Selected:
 
 def select_sample(sample: RawSample, cfg: EncodeConfig) -> _Selected | str:
     """The sample's cleaned caption and size, or the reason it is dropped (first failing check wins)."""
+    # A file or tar member name that is not UTF-8: no MDS row can hold its key (it crashed the writer).
+    if not key_is_utf8(sample.key):
+        return "key_not_utf8"
     if sample.image is None or not sample.image:
         return "missing_image" if sample.image is None else "empty_image_file"
     if sample.caption is None:
@@ -89,6 +92,14 @@ def select_sample(sample: RawSample, cfg: EncodeConfig) -> _Selected | str:
         return err.reason
     reason = size_reject_reason(size[0], size[1], cfg.filter)
     return reason or _Selected(caption, text_input, size, unchecked)
+
+
+def key_is_utf8(key: str | None) -> bool:
+    try:
+        (key or "").encode("utf-8")
+    except UnicodeEncodeError:  # Python holds undecodable name bytes as surrogates
+        return False
+    return True
 
 
 def prepare_sample(

@@ -207,7 +207,8 @@ def folder_key(uri: str, root: str) -> str:
 
 def folder_bucket(key: str, buckets: int) -> int:
     """Stable bucket of a key (sha1, not Python's salted hash): adding an image moves no other image."""
-    return int.from_bytes(hashlib.sha1(key.encode()).digest()[:8], "big") % buckets
+    # surrogateescape: a file name that is not UTF-8 still has a bucket (select_sample rejects the sample)
+    return int.from_bytes(hashlib.sha1(key.encode("utf-8", "surrogateescape")).digest()[:8], "big") % buckets
 
 
 def _folder_partitions(

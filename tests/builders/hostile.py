@@ -132,6 +132,8 @@ def _bad_caption_and_meta_cases(rng: np.random.Generator) -> list[HostileCase]:
         _sample_case("13_punsafe", rng, "punsafe", meta=json_bytes({"punsafe": 0.93})),
         _sample_case("14_pwatermark", rng, "pwatermark", meta=json_bytes({"PWATERMARK": 0.91})),
         _sample_case("15_nsfw", rng, "nsfw", meta=json_bytes({"NSFW": "nsfw"})),
+        # a member name that is not UTF-8 (latin-1 "café"): Python reads the byte as a surrogate
+        _sample_case("16_caf\udce9", rng, "key_not_utf8"),
     ]
 
 

@@ -28,6 +28,7 @@ from encode.process.filters import (
     size_reject_reason,
 )
 from encode.process.images import ImageRejected, decode_rgb, probe_size, resize_center_crop
+from encode.process.prepare import key_is_utf8
 from encode.sample_data import COLORS, color_of_caption, parse_caption, sample_captions
 from encode.sources import RawSample, Rejected, list_partitions, read_partition
 from shared.config import REPO_ROOT
@@ -158,6 +159,8 @@ def classify(item: RawSample | Rejected, filters: FilterConfig, captions: Captio
     """What the encode pipeline decides for one item (metadata, header size, caption, then decode)."""
     if isinstance(item, Rejected):
         return item.reason
+    if not key_is_utf8(item.key):
+        return "key_not_utf8"
     reason = metadata_reject_reason(item.meta, filters)
     try:
         reason = reason or size_reject_reason(*probe_size(item.image), filters)  # type: ignore[arg-type]

@@ -422,3 +422,15 @@ def test_s3_webdataset_and_parquet_match_local(wds_dir: Path, tmp_path: Path, s3
     pq_parts = list_partitions(pq_cfg)
     assert [p.id for p in pq_parts] == ["00000-parquet"]
     assert count_by_reason(read_all(pq_parts[0], pq_cfg)) == {"good": 8}
+
+
+def test_a_folder_file_name_that_is_not_utf8_is_listed_and_its_sample_rejected(tmp_path: Path) -> None:
+    """Listing hashed each key with str.encode(): one latin-1 file name stopped the whole job."""
+    from encode.process.prepare import key_is_utf8
+
+    name = os.fsdecode(b"caf\xe9")  # what Python makes of a non-UTF-8 name: a surrogate
+    (tmp_path / f"{name}.jpg").write_bytes(b"x")
+    (tmp_path / f"{name}.txt").write_bytes(b"a caption")
+    cfg = SourceConfig(uri=str(tmp_path), format="folder")
+    [sample] = [i for p in list_partitions(cfg) for i in read_all(p, cfg) if isinstance(i, RawSample)]
+    assert not key_is_utf8(sample.key) and key_is_utf8("café")
