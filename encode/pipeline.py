@@ -30,7 +30,7 @@ from encode.process.encoders import Encoders, HostArrays, load_encoders
 from encode.process.prepare import PartitionEnd, PreparedBatch, PreparedSample, PreparedStream, keep_as_is
 from encode.process.timing import MainThreadTimes
 from encode.process.writer import PartitionWriter, remove_stale_staging
-from encode.sources import Partition, list_partitions
+from encode.sources import Partition, SourceError, list_partitions
 from shared.manifest import Layout
 from shared.runtime.children import die_with_parent
 
@@ -198,6 +198,8 @@ def finish_partition(
 ) -> None:
     if end.error:
         writer.discard()
+        if end.config_error:
+            raise SourceError(end.error)
         summary.failed[end.partition] = end.error
         log.error("partition %s failed, will be retried on the next run: %s", end.partition, end.error)
         publisher.progress.update(summary)

@@ -28,7 +28,7 @@ from encode.process.filters import (
     size_reject_reason,
 )
 from encode.process.images import ImageRejected, probe_size, resize_for_resolutions
-from encode.sources import RawSample, Rejected, read_partition
+from encode.sources import RawSample, Rejected, SourceError, read_partition
 from shared import contract
 from shared.buckets import Bucket, cover_box, nearest_bucket
 from shared.presets import get_preset
@@ -59,6 +59,9 @@ class PartitionEnd:
     admitted_unchecked: Counter[str] = field(default_factory=Counter)
     seconds: float = 0.0
     error: str | None = None
+    # the error is the source config's (SourceError: a missing or wrong column), not this partition's: a
+    # rerun cannot get past it, so the job stops on it with its one line
+    config_error: bool = False
 
 
 @dataclass
@@ -202,6 +205,8 @@ def prepare_partition(plan: PartitionPlan, cfg: EncodeConfig) -> Iterator[Prepar
             if prepared is not None:
                 end.admitted_unchecked.update(chosen.unchecked)
                 yield prepared
+    except SourceError as err:  # the config does not fit the input: no rerun fixes it
+        end.error, end.config_error = str(err), True
     except Exception as err:  # not a per-sample problem: retry the whole partition on the next run
         end.error = f"{type(err).__name__}: {err}\n{traceback.format_exc(limit=3)}"
     finally:

@@ -127,6 +127,18 @@ def test_a_failed_upload_leaves_no_staged_shards(
     assert not staging.exists() or not list(staging.iterdir())
 
 
+def test_a_source_config_that_does_not_fit_the_files_stops_the_job_on_its_line(
+    wds: Path, tmp_path: Path, encoders: Encoders
+) -> None:
+    """img2dataset's metadata-only parquet read as the images: every partition failed 'rerun to retry'
+    under a traceback, for a setting no rerun changes."""
+    from encode.sources import SourceError
+
+    cfg = make_cfg(wds / "00000.parquet", tmp_path / "out", "source.format=parquet")
+    with pytest.raises(SourceError, match=r"no column 'jpg'.*source.image_column"):
+        encode(cfg, encoders)
+
+
 def test_merged_index_streams_with_streaming(wds: Path, tmp_path: Path, encoders: Encoders) -> None:
     from streaming import StreamingDataset
 
