@@ -162,6 +162,7 @@ def run_torchrun() -> None:
     with restored_environ((CPP_LOG_ENV,)):
         if not debug_enabled():
             os.environ.setdefault(CPP_LOG_ENV, "FATAL")
+        from torch.distributed.elastic.multiprocessing.api import SignalException
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
         from torch.distributed.elastic.rendezvous.api import RendezvousError
         from torch.distributed.run import main as torchrun_main
@@ -169,7 +170,13 @@ def run_torchrun() -> None:
     if not debug_enabled():
         logging.getLogger(ELASTIC_API_LOGGER).setLevel(logging.CRITICAL)
     with _removing_new_temp_dirs(TORCHELASTIC_TEMP_PREFIX):
-        _torchrun_quietly(torchrun_main, ChildFailedError, RendezvousError)
+        try:
+            _torchrun_quietly(torchrun_main, ChildFailedError, RendezvousError)
+        except SignalException as err:  # Ctrl-C / SIGTERM to torchrun: it stopped its ranks; a line, 128+N
+            if debug_enabled():
+                raise
+            print(f"torchrun: stopped by {err.sigval.name}", file=sys.stderr, flush=True)
+            sys.exit(128 + int(err.sigval))
 
 
 @contextlib.contextmanager

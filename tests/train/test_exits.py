@@ -231,3 +231,26 @@ def test_a_rank_killed_with_minus_9_ends_torchrun_in_one_line(tmp_path) -> None:
     run = subprocess.run(argv, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode == 1, run.stderr
     assert run.stderr.strip().splitlines() == ["torchrun: rank 1 exited -9"], run.stderr
+
+
+def test_torchrun_stopped_by_a_signal_says_so_in_one_line() -> None:
+    """`make encode GPUS=2` (the local launcher runs torchrun directly) on Ctrl-C or SIGTERM printed
+    torchrun's SignalException traceback and exited 1."""
+    import signal
+    import time
+
+    import psutil
+
+    argv = [sys.executable, "-m", "shared.runtime.exits", "--standalone", "--nproc-per-node=1", "--no-python"]
+    proc = subprocess.Popen([*argv, "sleep", "120"], cwd=REPO_ROOT, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not any(c.name() == "sleep" for c in psutil.Process(proc.pid).children(recursive=True)):
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "torchrun: stopped by SIGTERM" in err and "Traceback" not in err
