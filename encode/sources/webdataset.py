@@ -17,10 +17,13 @@ from shared import storage
 _TAR_FORMAT_ERRORS = (tarfile.TarError, EOFError, zlib.error, lzma.LZMAError)
 # tarfile ends iteration quietly on these header errors; only EOFHeaderError (zero blocks) is a proper end.
 _BAD_END_ERRORS = (tarfile.EmptyHeaderError, tarfile.TruncatedHeaderError, tarfile.InvalidHeaderError)
+EOFHeaderError, InvalidHeaderError = tarfile.EOFHeaderError, tarfile.InvalidHeaderError
 
 
 class _RecordingTarInfo(tarfile.TarInfo):
-    """Remembers why tarfile stopped reading headers: it ends quietly on a truncated header."""
+    """Remembers why tarfile stopped reading headers (it ends quietly on a truncated header), whether it
+    saw the end-of-archive zero blocks, and each damaged header it stepped over (`ignore_zeros`: tarfile
+    then skips block by block to the next valid header instead of ending the tar there)."""
 
     @classmethod
     def fromtarfile(cls, tarfile: tarfile.TarFile) -> tarfile.TarInfo:  # type: ignore[override]
@@ -28,7 +31,18 @@ class _RecordingTarInfo(tarfile.TarInfo):
             return super().fromtarfile(tarfile)
         except Exception as err:
             tarfile.header_error = err  # type: ignore[attr-defined]
+            if isinstance(err, EOFHeaderError):
+                tarfile.zero_blocks = True  # type: ignore[attr-defined]
+            elif isinstance(err, InvalidHeaderError):
+                tarfile.skipped_header = True  # type: ignore[attr-defined]
+                tarfile.zero_blocks = False  # type: ignore[attr-defined]  # zeros then data: not the end
             raise
+
+
+def _properly_ended(archive: tarfile.TarFile) -> bool:
+    """The stream ended after the end-of-archive zero blocks (not in a header, nor after a damaged one)."""
+    error = getattr(archive, "header_error", None)
+    return not isinstance(error, _BAD_END_ERRORS) or bool(getattr(archive, "zero_blocks", False))
 
 
 class _TarGrouper:
@@ -40,6 +54,7 @@ class _TarGrouper:
         self.key: str | None = None  # the key being collected
         self.members: dict[str, bytes] = {}
         self.poison: str | None = None  # why the open sample is dropped (one of its members was bad)
+        self.poison_next = False  # a damaged header was stepped over: the next sample may have lost members
         self.reading: str | None = None  # the member whose header or data is being read
         self.held = 0  # bytes of the open sample's members kept in memory (cfg.max_sample_bytes)
         # Only these member extensions are read; others are skipped unread (the stream seeks past them).
@@ -47,6 +62,12 @@ class _TarGrouper:
 
     def read(self, archive: tarfile.TarFile) -> Iterator[RawSample | Rejected]:
         for member in archive:
+            if getattr(archive, "skipped_header", False):
+                # The member whose header was damaged is lost: it was the open sample's or the next
+                # one's. Both go (counted): one that lost its .json would pass the metadata filters.
+                archive.skipped_header = False  # type: ignore[attr-defined]
+                self.poison = self.poison or "corrupt_tar"
+                self.poison_next = True
             self.reading = member.name
             verdict = _member_verdict(member)
             if verdict is None:
@@ -54,7 +75,7 @@ class _TarGrouper:
             elif verdict:  # "" is a directory: nothing to count
                 yield Rejected(_split_member(member.name)[0] or None, verdict)
             self.reading = None
-        if isinstance(getattr(archive, "header_error", None), _BAD_END_ERRORS):
+        if getattr(archive, "skipped_header", False) or not _properly_ended(archive):
             raise tarfile.ReadError("archive ends without its end-of-archive blocks")
 
     def _add_member(
@@ -79,6 +100,8 @@ class _TarGrouper:
         if key != self.key:
             yield from self.finish()
             self.key, self.members, self.poison, self.held = key, {}, None, 0
+            if self.poison_next and self.key is not None:
+                self.poison, self.poison_next = "corrupt_tar", False
 
     def _add(
         self, name: str, data: bytes | None, poison: str | None = None
@@ -125,7 +148,11 @@ def read_webdataset(uri: str, cfg: SourceConfig) -> Iterator[RawSample | Rejecte
     grouper = _TarGrouper(cfg)
     with contextlib.closing(storage.open_read(uri)) as stream:
         try:
-            with tarfile.open(fileobj=stream, mode="r|*", tarinfo=_RecordingTarInfo) as archive:
+            # ignore_zeros: a damaged header mid-tar is stepped over to the next valid one (tarfile would end
+            # the tar there, losing every later sample uncounted); _RecordingTarInfo tells the end apart.
+            with tarfile.open(
+                fileobj=stream, mode="r|*", tarinfo=_RecordingTarInfo, ignore_zeros=True
+            ) as archive:
                 yield from grouper.read(archive)
         except _TAR_FORMAT_ERRORS:
             yield from grouper.broken()

@@ -203,6 +203,24 @@ def test_truncated_tar_never_raises_and_yields_a_prefix(tmp_path: Path) -> None:
             assert sum(isinstance(i, Rejected) for i in items) == 1, cut
 
 
+def test_a_damaged_header_mid_tar_loses_its_samples_only_and_counts_them(tmp_path: Path) -> None:
+    """tarfile ends a tar at a bad header: every later sample (and the one being read) was lost, uncounted.
+    Now it steps over to the next valid header; the sample whose member was damaged and the next one go,
+    counted (either may have lost its .json, which the metadata filters need)."""
+    members = small_members(6)
+    full = bytearray(write_tar(tmp_path / "t.tar", members))
+    # sample 2's .json header: members are header + data blocks (jpg: 2 data blocks; json, txt: 1 each)
+    per_sample = (1 + 2) + (1 + 1) + (1 + 1)
+    header = (2 * per_sample + 3) * tarfile.BLOCKSIZE
+    assert bytes(full[header : header + 16]).startswith(b"000000002.json")
+    full[header + 148 : header + 156] = b"0000000\x00"  # a checksum that no longer matches
+    (tmp_path / "t.tar").write_bytes(bytes(full))
+    items = list(read_webdataset(str(tmp_path / "t.tar"), SourceConfig()))
+    assert good_keys(items) == ["000000000", "000000001", "000000004", "000000005"]
+    rejected = [(i.key, i.reason) for i in items if isinstance(i, Rejected)]
+    assert rejected == [("000000002", "corrupt_tar"), ("000000003", "corrupt_tar")]
+
+
 def test_garbage_and_empty_files_are_corrupt_tars(tmp_path: Path) -> None:
     (tmp_path / "garbage.tar").write_bytes(b"this is not a tar file at all" * 40)
     (tmp_path / "empty.tar").write_bytes(b"")
