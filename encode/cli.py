@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import signal
 import sys
 import time
 from datetime import timedelta
@@ -80,6 +81,7 @@ def run(
     from shared.runtime.device import unused_gpus_warning
 
     setup_logging()
+    signal.signal(signal.SIGTERM, stop_on_sigterm)
     cfg = load(dataset, overrides)
     rank = RankInfo.from_env()
     if warning := unused_gpus_warning("encode"):
@@ -95,6 +97,15 @@ def run(
     if rank.rank == 0 and (rank.world_size == 1 or joined):
         result = publish(cfg, encoders)
         print_publish(result, cfg, time.perf_counter() - start)
+
+
+def stop_on_sigterm(signum: int, frame: object) -> None:
+    """SIGTERM (a scheduler's stop, torchrun's teardown, `kill`) ends encode like Ctrl-C does: by an
+    exception, so what it holds is cleaned up on the way out (staged shards, reuse tables' decompressed
+    copies, torch's import-time temp folder); the default action ended the process on the spot, leaving them
+    in the temp folder. Finished partitions are kept: a rerun redoes only the others."""
+    typer.echo("encode: stopped by SIGTERM; rerun the same command (finished partitions are kept)", err=True)
+    raise SystemExit(128 + signum)
 
 
 def wait_for_all_ranks(world_size: int) -> bool:

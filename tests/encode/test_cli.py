@@ -93,6 +93,28 @@ def test_kill_minus_9_then_rerun_gives_every_sample_exactly_once(tmp_path: Path)
             assert all(row[c].tobytes() == got[key][c].tobytes() for c in row if hasattr(row[c], "tobytes"))
 
 
+@pytest.mark.slow
+def test_sigterm_stops_encode_in_one_line_and_leaves_its_temp_folder_clean(tmp_path: Path) -> None:
+    """The default action ended the process on the spot: reuse tables' copies and torch's import-time temp
+    folder stayed in TMPDIR (Ctrl-C already cleaned up)."""
+    src, out, temp = tmp_path / "in", tmp_path / "out", tmp_path / "tmp"
+    build_webdataset(src, shards=SHARDS, per_shard=16, seed=5)
+    temp.mkdir()
+    env = {**os.environ, "TMPDIR": str(temp)}
+    proc = subprocess.Popen(encode_cmd(src, out), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not done_markers(out):
+        assert proc.poll() is None, proc.stderr.read().decode()[-2000:]  # type: ignore[union-attr]
+        assert time.monotonic() < deadline, "encode published no partition in time"
+        time.sleep(POLL_S)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    text = err.decode()
+    assert proc.returncode == 128 + signal.SIGTERM, text[-2000:]
+    assert "stopped by SIGTERM; rerun the same command" in text and "Traceback" not in text
+    assert sorted(p.name for p in temp.iterdir()) == []
+
+
 def test_user_errors_print_one_line_naming_the_fix(tmp_path: Path) -> None:
     missing = subprocess.run(
         [
