@@ -233,6 +233,11 @@ def load_weights_only(path: str | Path, source: str | None = None, map_location:
         with torch.serialization.safe_globals(_checkpoint_safe_globals()):
             return torch.load(str(path), map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as err:
+        if not zipfile.is_zipfile(path):  # torch's legacy reader on bytes that are no torch file at all
+            raise UnsafeCheckpointError(
+                f"cannot read {name} as a torch checkpoint: it is not a checkpoint (no torch zip archive). "
+                f"Point load_path (or save_folder's {LATEST_NAME}) at one written by `python -m train fit`"
+            ) from err
         raise UnsafeCheckpointError(
             f"refusing to load {name}: it holds objects other than tensors and plain data ({err}). Only "
             "checkpoints written by `python -m train fit` load; point load_path (or save_folder's "

@@ -96,7 +96,9 @@ def test_export_of_a_folder_without_checkpoints_names_the_fix(tmp_path: Path) ->
 
 
 @pytest.mark.parametrize(
-    "content", [b"hello\n", {"a": 1}, torch.zeros(3)], ids=["text", "other-dict", "tensor"]
+    "content",
+    [b"hello\n", bytes(range(256)) * 3, {"a": 1}, torch.zeros(3)],
+    ids=["text", "random-bytes", "other-dict", "tensor"],
 )
 def test_export_of_a_file_that_is_no_checkpoint_is_one_line(tmp_path: Path, content: object) -> None:
     """Each was a KeyError / IndexError traceback (torch's legacy reader, or no "state" in it)."""
