@@ -86,6 +86,17 @@ def classify(err: BaseException) -> Stop | None:
     return path_problem(err)
 
 
+def _tell_the_supervisor(err: BaseException) -> None:
+    """An error classify ends with exit 2 is one no restart fixes: the supervisor stops instead of restarting
+    (shared/launch/supervisor.py). An outage (exit 1) or a bug it restarts."""
+    from train.loop.prepare import RunFinishedError
+    from train.resilience.exits import record_fatal
+
+    stop = classify(err)
+    if stop is not None and stop.code == EXIT_FATAL:
+        record_fatal(err, "finished" if isinstance(err, RunFinishedError) else "fatal")
+
+
 def _is_outage(err: BaseException) -> bool:
     from shared.storage import StorageError
 
@@ -106,31 +117,23 @@ def fit(
     _setup_logging()
     from train.loop.prepare import RunFinishedError
     from train.loop.trainer import fit as run_fit
-    from train.resilience.exits import record_fatal
 
     _quiet_tracker_under_torchrun()
     try:
         cfg = load_config(TrainConfig, config, overrides or [], kind="train")
         _warn_unused_gpus()
         trainer = run_fit(cfg)
-    except _user_errors() as err:
-        # the supervisor stops instead of restarting (shared/launch/supervisor.py); an outage it restarts
-        if not _is_outage(err):
-            record_fatal(err, "finished" if isinstance(err, RunFinishedError) else "fatal")
+    except Exception as err:
+        if isinstance(err, ValueError) and "elapsed training duration" in str(err):
+            # Composer's own finished-run check, for max_duration in epochs or samples
+            finished = RunFinishedError(
+                f"the run in {cfg.save_folder} already reached max_duration={cfg.max_duration}: "
+                "raise max_duration to train it longer, or set save_folder=<a new folder>"
+            )
+            _tell_the_supervisor(finished)
+            raise finished from err
+        _tell_the_supervisor(err)
         raise
-    except OSError as err:  # a read-only or full disk, a file where a folder goes: no restart fixes it
-        if path_problem(err) is not None:
-            record_fatal(err)
-        raise
-    except ValueError as err:  # Composer's own finished-run check, for max_duration in epochs or samples
-        if "elapsed training duration" not in str(err):
-            raise
-        finished = RunFinishedError(
-            f"the run in {cfg.save_folder} already reached max_duration={cfg.max_duration}: "
-            "raise max_duration to train it longer, or set save_folder=<a new folder>"
-        )
-        record_fatal(finished, "finished")
-        raise finished from err
     typer.echo(f"done at {trainer.state.timestamp.batch.value} batches; checkpoints in {cfg.save_folder}")
 
 

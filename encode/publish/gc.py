@@ -65,8 +65,8 @@ def collect_garbage(
     Partition folders and done-markers newer than the current version are kept: they belong to an encode
     run in progress or not yet finalized. So are partition folders no marker names yet but written in the
     last `min_age_s`: an encode uploads a partition's files before its marker (`encode gc`: an hour).
-    Only what the listing found inside the dataset root is deleted,
-    by the URI it was found at: nothing a marker's contents name is ever turned into a path to delete.
+    Only what the listing found inside the dataset root is deleted, by the URI it was found at: nothing a
+    marker's contents name is ever turned into a path to delete.
     """
     current = read_manifest(layout.root)
     versions = list_versions(layout)
@@ -85,7 +85,6 @@ def collect_garbage(
     reads = read_markers(listed)
     by_location = {marker_location(uri): uri for uri in listed}
     deleted_markers, refused = 0, []
-    replaced: set[tuple[int, str]] = set()  # folders of finished partitions no kept version uses: no grace
     for marker in reads.markers:
         if (marker.partition, marker.recipe) in wanted_recipes:
             continue
@@ -93,15 +92,19 @@ def collect_garbage(
             wanted_dirs |= {(r, o["dir"]) for r, o in marker.outputs.items() if o.get("dir")}
             continue
         deleted_markers += 1
-        replaced |= {(int(r), o["dir"]) for r, o in marker.outputs.items() if o.get("dir")}
         if not dry_run:  # marker first: a crash mid-gc never leaves a marker naming deleted data
             _delete_inside(layout, by_location[(marker.partition, marker.recipe)], False, refused)
     for uri in reads.unreadable:
         log.warning("gc leaves unreadable done-marker %s alone (delete it by hand once checked)", uri)
     named = {int(r) for marker in reads.markers for r in marker.outputs}  # dropped resolutions too
-    recent: list[str] = []
-    young = (clock - min_age_s, recent, replaced)
-    deleted_dirs = _delete_unwanted_dirs(layout, current, named, wanted_dirs, dry_run, refused, young)
+    # Folders a marker names are finished work; only one no marker names yet may be an upload in progress.
+    marked = {
+        (int(r), o["dir"]) for marker in reads.markers for r, o in marker.outputs.items() if o.get("dir")
+    }
+    unmarked_since = clock - min_age_s
+    deleted_dirs, recent = _delete_unwanted_dirs(
+        layout, current, named, wanted_dirs, dry_run, refused, marked, unmarked_since
+    )
     stale = [v for v in versions if v not in kept]
     if not dry_run:
         for vid in stale:
@@ -163,11 +166,14 @@ def _delete_unwanted_dirs(
     wanted: set[tuple[int, str]],
     dry_run: bool,
     refused: list[str],
-    young: tuple[float, list[str], set[tuple[int, str]]],
-) -> list[str]:
+    marked: set[tuple[int, str]],
+    unmarked_since: float,
+) -> tuple[list[str], list[str]]:
     """Partition output folders (by encode's own naming) that no kept version or newer marker uses, and a
-    root index the current version has none of (dropped, or bucketed now): it names folders that go here."""
-    deleted = []
+    root index the current version has none of (dropped, or bucketed now): it names folders that go here.
+    Returns them, and the folders left alone: no marker names them and they were written after
+    `unmarked_since`."""
+    deleted, recent = [], []
     for res in sorted(resolutions | set(current.resolutions)):
         root = layout.stream_root(res)
         files = storage.list_files(root)
@@ -182,19 +188,16 @@ def _delete_unwanted_dirs(
         for info in files:
             name = storage.relpath(info.uri, root).split("/")[0]
             newest[name] = max(newest.get(name, 0.0), info.modified)
-        since, recent, replaced = young
         for dirname in sorted(d for d in newest if is_output_dir(d)):
             if (res, dirname) in wanted:
                 continue
-            if (
-                newest[dirname] > since and (res, dirname) not in replaced
-            ):  # maybe an upload, its marker to come
+            if (res, dirname) not in marked and newest[dirname] > unmarked_since:  # its marker may be to come
                 recent.append(f"{res}/{dirname}")
                 continue
             deleted.append(f"{res}/{dirname}")
             if not dry_run:
                 _delete_inside(layout, layout.partition_output(res, dirname), True, refused)
-    return deleted
+    return deleted, recent
 
 
 def _delete_inside(layout: Layout, uri: str, tree: bool, refused: list[str]) -> None:

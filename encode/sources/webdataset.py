@@ -17,6 +17,7 @@ from shared import storage
 _TAR_FORMAT_ERRORS = (tarfile.TarError, EOFError, zlib.error, lzma.LZMAError)
 # tarfile ends iteration quietly on these header errors; only EOFHeaderError (zero blocks) is a proper end.
 _BAD_END_ERRORS = (tarfile.EmptyHeaderError, tarfile.TruncatedHeaderError, tarfile.InvalidHeaderError)
+# By name: in TarInfo.fromtarfile the archive parameter is called `tarfile`, hiding the module.
 EOFHeaderError, InvalidHeaderError = tarfile.EOFHeaderError, tarfile.InvalidHeaderError
 
 
@@ -100,7 +101,7 @@ class _TarGrouper:
         if key != self.key:
             yield from self.finish()
             self.key, self.members, self.poison, self.held = key, {}, None, 0
-            if self.poison_next and self.key is not None:
+            if self.poison_next:
                 self.poison, self.poison_next = "corrupt_tar", False
 
     def _add(

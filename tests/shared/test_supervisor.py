@@ -40,6 +40,19 @@ def run(tmp_path: Path, body: str, **supervision: float) -> tuple[int, list[str]
     return code, lines
 
 
+def run_stopped(tmp_path: Path, body: str, **supervision: float) -> tuple[int, list[str]]:
+    """`run`, with a SIGTERM to this process (the supervisor's) a second in; the body waits for the stop
+    file the supervisor then writes."""
+    waits = 'echo "1 $$" > "$SD_CONTROL_DIR/heartbeat-rank0"\n'
+    waits += 'until [ -e "$SD_CONTROL_DIR/stop" ]; do sleep 0.05; done\n'
+    timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM))
+    timer.start()
+    try:
+        return run(tmp_path, waits + textwrap.dedent(body), **supervision)
+    finally:
+        timer.cancel()
+
+
 def attempts(tmp_path: Path) -> int:
     return int((tmp_path / "attempts").read_text())
 
@@ -93,28 +106,14 @@ def test_a_rerun_of_a_finished_run_is_still_an_error(tmp_path: Path) -> None:
 
 def test_a_fatal_error_during_a_stop_signal_is_fatal_not_resumable(tmp_path: Path) -> None:
     """75 would have Slurm requeue a config or data error up to max_requeues times."""
-    body = 'echo "1 $$" > "$SD_CONTROL_DIR/heartbeat-rank0"\n'
-    body += 'until [ -e "$SD_CONTROL_DIR/stop" ]; do sleep 0.05; done\n'
-    body += """echo '{"state": "fatal", "batch": -1, "message": "DataError: shard 3 is corrupt"}' \\
+    body = """echo '{"state": "fatal", "batch": -1, "message": "DataError: shard 3 is corrupt"}' \\
         > "$SD_CONTROL_DIR/exit.json"; exit 1\n"""
-    timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM))
-    timer.start()
-    try:
-        code, lines = run(tmp_path, body, max_restarts=3)
-    finally:
-        timer.cancel()
+    code, lines = run_stopped(tmp_path, body, max_restarts=3)
     assert code == control.EXIT_FATAL and "shard 3 is corrupt" in lines[-1]
 
 
 def test_ranks_killed_during_a_stop_say_the_run_stopped_and_how_they_ended(tmp_path: Path) -> None:
-    body = 'echo "1 $$" > "$SD_CONTROL_DIR/heartbeat-rank0"\n'
-    body += 'until [ -e "$SD_CONTROL_DIR/stop" ]; do sleep 0.05; done; kill -9 $$\n'
-    timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM))
-    timer.start()
-    try:
-        code, lines = run(tmp_path, body, max_restarts=3)
-    finally:
-        timer.cancel()
+    code, lines = run_stopped(tmp_path, "kill -9 $$\n", max_restarts=3)
     assert code == control.EXIT_RESUMABLE
     assert lines[-1] == "stopped on SIGTERM (torchrun exited -9); rerun the same command to resume"
 
@@ -133,16 +132,10 @@ def test_a_stale_heartbeat_is_a_hang_the_processes_are_killed_and_restarted(tmp_
 
 def test_sigterm_asks_the_ranks_to_stop_and_exits_resumable(tmp_path: Path) -> None:
     # The child plays a rank: waits for the stop file, records a resumable exit, exits.
-    body = """echo "1 $$" > "$SD_CONTROL_DIR/heartbeat-rank0"
-    until [ -e "$SD_CONTROL_DIR/stop" ]; do sleep 0.05; done
-    echo '{"state": "resumable", "batch": 1, "message": "saved"}' > "$SD_CONTROL_DIR/exit.json"; exit 75
+    body = """echo '{"state": "resumable", "batch": 1, "message": "saved"}' > "$SD_CONTROL_DIR/exit.json"
+    exit 75
     """
-    timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM))
-    timer.start()
-    try:
-        code, lines = run(tmp_path, body, max_restarts=3)
-    finally:
-        timer.cancel()
+    code, lines = run_stopped(tmp_path, body, max_restarts=3)
     assert code == control.EXIT_RESUMABLE and attempts(tmp_path) == 1
     assert any("SIGTERM" in line for line in lines)
 
