@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import threading
 import time
 import uuid
@@ -26,6 +27,7 @@ from encode.plan.fingerprints import DoneMarker, PartitionPlan, StageFingerprint
 from encode.process.prepare import Geometry, PartitionEnd
 from shared import contract, storage
 from shared.buckets import bucket_name
+from shared.launch import control
 from shared.manifest import INDEX_NAME, Layout, fingerprint
 from shared.presets import get_preset
 
@@ -33,6 +35,7 @@ from shared.presets import get_preset
 # opens the next partition's writer: the empty-root cleanup in `discard` and a writer creating its folder
 # under that root take turns, or the root could be removed (or recreated without mode 0700) in between.
 _STAGING_LOCK = threading.Lock()
+STALE_STAGING_S = 24 * 3600  # another host's staging folder in a shared output: a day untouched is dead
 
 
 def staging_root(layout: Layout) -> Path:
@@ -52,15 +55,37 @@ def staging_prefix(layout: Layout, partition_id: str) -> str:
     return f"{fingerprint(layout.root.rstrip('/'))[:12]}.{partition_id}."
 
 
+def staging_owner() -> str:
+    """`<host hash>-<pid>-<process start>`: which process a staging folder is writing for."""
+    pid = os.getpid()
+    return f"{fingerprint(socket.gethostname())[:6]}-{pid}-{control.process_start(pid) or 0}"
+
+
+def owner_is_gone(name: str, age_s: float) -> bool:
+    """Whether the process a staging folder's name records has ended: one on this host by its pid and start
+    time; one on another host (a shared output folder) once the folder is STALE_STAGING_S old. A name
+    without an owner (written before this was recorded) is a killed run's."""
+    parts = name.rsplit(".", 2)
+    owner = parts[-2].split("-") if len(parts) == 3 else []
+    if len(owner) != 3 or not all(p.isalnum() for p in owner):
+        return True
+    host, pid, start = owner
+    if host != fingerprint(socket.gethostname())[:6]:
+        return age_s > STALE_STAGING_S
+    return not pid.isdigit() or str(control.process_start(int(pid)) or 0) != start
+
+
 def remove_stale_staging(layout: Layout, partition_ids: list[str]) -> None:
-    """Drop staging folders a killed run of this job left for these partitions (each partition has one
-    owner rank); folders of other jobs or other partitions are never touched."""
+    """Drop staging folders a killed run left for these partitions; folders of other jobs or partitions,
+    and those of a live process (another encode of the same output started beside this one: its staged
+    shards were deleted under it, and it stopped with "No such file" halfway), are never touched."""
     root = staging_root(layout)
     if not root.exists():
         return
     prefixes = tuple(staging_prefix(layout, pid) for pid in partition_ids)
     for folder in root.iterdir():
-        if folder.name.startswith(prefixes) and folder.is_dir() and not folder.is_symlink():
+        ours = folder.name.startswith(prefixes) and folder.is_dir() and not folder.is_symlink()
+        if ours and owner_is_gone(folder.name, time.time() - folder.stat().st_mtime):
             shutil.rmtree(folder, ignore_errors=True)
 
 
@@ -85,7 +110,8 @@ class PartitionWriter:
         self.factor = get_preset(cfg.preset).vae_downsample
         with _STAGING_LOCK:  # the staging root must not vanish between its check and our mkdir
             self.staging = (
-                staging_root(layout) / f"{staging_prefix(layout, plan.partition.id)}{uuid.uuid4().hex[:8]}"
+                staging_root(layout)
+                / f"{staging_prefix(layout, plan.partition.id)}{staging_owner()}.{uuid.uuid4().hex[:8]}"
             )
             self.writers = {
                 (res, None): self._open(self.staging / str(res), shapes[res])

@@ -19,6 +19,7 @@ from encode.publish.finalize import publish
 from encode.sample_data import build_webdataset
 from shared import contract, storage
 from shared.config import load_config
+from shared.launch import control
 from shared.manifest import Layout
 
 RES = 32
@@ -66,6 +67,39 @@ def test_stale_staging_removal_touches_only_this_jobs_partitions(
     remove_stale_staging(mine, ["p00001"])
     assert not ours.exists()
     assert all(folder.exists() for folder in kept)
+
+
+def test_a_live_encodes_staging_is_left_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two `encode run`s into one output at once: the second deleted the first's staged shards (it took them
+    for a killed run's), and the first stopped halfway with "No such file or directory"."""
+    import subprocess
+    import time
+
+    from encode.process import writer
+
+    monkeypatch.setattr(storage.tempfile, "gettempdir", lambda: str(tmp_path))
+    layout = Layout("s3://bucket/mine")
+    root, prefix = staging_root(layout), staging_prefix(layout, "p00001")
+    live = subprocess.Popen(["sleep", "30"])
+    ended = subprocess.Popen(["true"])
+    ended.wait()
+    try:
+        host = writer.staging_owner().split("-")[0]
+        start = control.process_start(live.pid)
+        live_folder = root / f"{prefix}{host}-{live.pid}-{start}.aaaa0000"
+        dead_folder = root / f"{prefix}{host}-{ended.pid}-12345.bbbb0000"
+        far_fresh = root / f"{prefix}000000-1-1.cccc0000"  # another host's (a shared output), fresh
+        far_old = root / f"{prefix}000000-2-2.dddd0000"
+        for folder in (live_folder, dead_folder, far_fresh, far_old):
+            folder.mkdir()
+        old = time.time() - writer.STALE_STAGING_S - 60
+        os.utime(far_old, (old, old))
+        remove_stale_staging(layout, ["p00001"])
+        assert live_folder.exists() and far_fresh.exists()
+        assert not dead_folder.exists() and not far_old.exists()
+    finally:
+        live.kill()
+        live.wait()
 
 
 def test_encoded_shards_record_a_hash_that_train_verifies(tmp_path: Path) -> None:
