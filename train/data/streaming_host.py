@@ -6,7 +6,10 @@
   process dies), and whoever gets the lock removes registrations of *that* folder only.
 - Streaming picks its shared-memory prefix by check-then-create, so two datasets built at the same moment
   on one host collide (FileExistsError '/0000NN_locals'; mosaicml/streaming #884, #901): construction
-  holds a per-user host lock (`streaming_prefix_lock`).
+  holds a per-user lock (`streaming_prefix_lock`), and a prefix another process registered between the scan
+  and the create is scanned past (`register_free_prefix`): the lock lives in the temp folder, and two jobs
+  with different TMPDIRs (a Slurm prologue's per-job folder, two test sessions) share /dev/shm but not the
+  lock (3 of 80 simultaneous builds failed that way, and `train fit` took it for a fatal path error).
 - every rank of a node scans for that prefix on its own, before the ranks meet: a segment another job
   unlinks between two ranks' scans (its process exiting) makes them pick different prefixes, and the later
   rank dies with FileNotFoundError '/0000NN_locals'. During construction the node's local leader alone
@@ -174,44 +177,65 @@ def agreed_shm_prefix(
     streams_local: list[str], streams_remote: list[str | None], world: Any, retry: int = 100
 ) -> tuple[int, Any]:
     """Streaming 0.13's `get_shm_prefix` (register the node's prefix, recording its local folders), with one
-    scan per node: the local leader scans /dev/shm and every rank takes its node's leader's choice.
+    scan per node: the local leader registers a free prefix (`register_free_prefix`) and every rank takes
+    its node's leader's choice.
 
     Upstream each rank scans, then the ranks meet in a barrier and the leader creates the prefix it found;
     when another job's segments go between two ranks' scans, a rank looks for a prefix nobody created.
-    Without torch.distributed there is one rank, and Streaming's own function runs.
     """
     import torch.distributed as torch_dist
+    from streaming.base.constant import LOCALS
+    from streaming.base.shared import SharedMemory
+    from streaming.base.shared import prefix as shm_prefix
+
+    shm_prefix._check_self(streams_local)
+    registered = register_free_prefix(streams_local, streams_remote, retry) if world.is_local_leader else None
+    if not (torch_dist.is_available() and torch_dist.is_initialized()):
+        assert registered is not None  # one process: its own leader
+        return registered
+    choices: list[Any] = [None] * torch_dist.get_world_size()
+    torch_dist.all_gather_object(choices, (world.node, None if registered is None else registered[0]))
+    prefix_int = next(p for node, p in choices if node == world.node and p is not None)
+    if registered is not None:
+        return registered
+    shm = SharedMemory(shm_prefix._get_path(prefix_int, LOCALS), False)
+    their_locals, _ = shm_prefix._unpack_locals(bytes(shm.buf))
+    if their_locals != streams_local:
+        raise DataError(
+            f"the ranks of one node stream different local folders ({streams_local} here, "
+            f"{their_locals} on its first rank): data.cache_dir must name the same folder on every rank"
+        )
+    return prefix_int, shm
+
+
+REGISTER_ATTEMPTS = 50  # scans after another process took the prefix found (each takes milliseconds)
+
+
+def register_free_prefix(
+    streams_local: list[str], streams_remote: list[str | None], retry: int
+) -> tuple[int, Any]:
+    """Scan for the first free prefix and create its LOCALS segment; scan again when another process
+    created it between the scan and the create (FileExistsError)."""
     from streaming.base.constant import LOCALS, SHM_TO_CLEAN
     from streaming.base.shared import SharedMemory
     from streaming.base.shared import prefix as shm_prefix
 
-    if not (torch_dist.is_available() and torch_dist.is_initialized()):
-        return shm_prefix.get_shm_prefix(streams_local, streams_remote, world, retry)
-    shm_prefix._check_self(streams_local)
-    scanned = None
-    if world.is_local_leader:
-        scanned = max(
+    for _ in range(REGISTER_ATTEMPTS):
+        prefix_int = max(
             shm_prefix._check_and_find_retrying(streams_local, streams_remote, name, retry)
             for name in SHM_TO_CLEAN
         )
-    choices: list[Any] = [None] * torch_dist.get_world_size()
-    torch_dist.all_gather_object(choices, (world.node, scanned))
-    prefix_int = next(p for node, p in choices if node == world.node and p is not None)
-    name = shm_prefix._get_path(prefix_int, LOCALS)
-    if world.is_local_leader:
         data = shm_prefix._pack_locals(streams_local, prefix_int)
-        shm = SharedMemory(name, True, len(data))
+        try:
+            shm = SharedMemory(shm_prefix._get_path(prefix_int, LOCALS), True, len(data))
+        except FileExistsError:
+            continue
         shm.buf[: len(data)] = data
-    torch_dist.barrier()
-    if not world.is_local_leader:
-        shm = SharedMemory(name, False)
-        their_locals, _ = shm_prefix._unpack_locals(bytes(shm.buf))
-        if their_locals != streams_local:
-            raise DataError(
-                f"the ranks of one node stream different local folders ({streams_local} here, "
-                f"{their_locals} on its first rank): data.cache_dir must name the same folder on every rank"
-            )
-    return prefix_int, shm
+        return prefix_int, shm
+    raise DataError(
+        f"{REGISTER_ATTEMPTS} Streaming shared-memory prefixes were taken by other processes as this one "
+        "registered them; too many datasets are being built on this host at once: rerun"
+    )
 
 
 def remove_file_locks_at_exit(dataset: Any) -> Any:

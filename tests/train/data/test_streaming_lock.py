@@ -205,3 +205,41 @@ def test_the_ranks_of_a_node_agree_on_the_prefix_when_another_job_exits_between_
     assert other_prefix == leader_prefix
     assert [child.exitcode for child in children] == [0, 0]
     assert not registrations_of(pinned.local)
+
+
+def test_a_prefix_registered_between_the_scan_and_the_create_is_scanned_past(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another job (here: the test, as one with another TMPDIR, whose prefix lock this process never sees)
+    registers the prefix this process's scan found, before this process creates it: FileExistsError
+    '/0000NN_locals' stopped the run as a fatal path error; now it scans again."""
+    from streaming.base.constant import LOCALS, SHM_TO_CLEAN
+    from streaming.base.shared import prefix as shm_prefix
+    from streaming.base.shared.prefix import _get_path
+
+    from train.data.streaming_host import register_free_prefix
+
+    scan, found, stolen = shm_prefix._check_and_find_retrying, [], []
+
+    def racing_scan(streams_local: list[str], streams_remote: list[Any], shm_name: str, retry: int) -> int:
+        found.append(scan(streams_local, streams_remote, shm_name, retry))
+        if not stolen and len(found) == len(SHM_TO_CLEAN):  # the scan is over: the other job registers
+            stolen.append(_get_path(max(found), LOCALS))
+            _create_foreign_locals(stolen[0], str(tmp_path / "another-job"))
+        return found[-1]
+
+    monkeypatch.setattr(shm_prefix, "_check_and_find_retrying", racing_scan)
+    shm = None
+    try:
+        prefix, shm = register_free_prefix([str(tmp_path / "mine")], [None], retry=1)
+        assert stolen and _get_path(prefix, LOCALS) != stolen[0]
+        assert read_shm(stolen[0]) is not None  # the other job's registration is left alone
+        assert registrations_of(str(tmp_path / "mine")) == [_get_path(prefix, LOCALS)]
+    finally:
+        import _posixshmem
+
+        if shm is not None:
+            shm.cleanup()
+        for name in stolen:
+            _posixshmem.shm_unlink(f"/{name}")
+    assert not registrations_of(str(tmp_path / "mine"))
