@@ -23,14 +23,14 @@ import re
 import shutil
 import subprocess
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
 from shared.batching import Batching
 from shared.config import REPO_ROOT
-from shared.launch.supervisor import REJOIN_TIMEOUT_S, Supervision
+from shared.launch.supervisor import Supervision
 
 Launcher = Literal["local", "slurm", "k8s"]
 LAUNCHERS: tuple[str, ...] = ("local", "slurm", "k8s")
@@ -349,52 +349,3 @@ def repo_python() -> str:
 
 def workdir() -> str:
     return str(REPO_ROOT)
-
-
-# --- torchrun ---------------------------------------------------------------------------------------
-def torchrun_args(
-    topology: Topology,
-    rdzv_host: str,
-    rdzv_port: str,
-    run_id: str,
-    max_restarts: int,
-    store_host: bool | None = None,
-) -> list[str]:
-    """torchrun's flags for one node of an elastic `c10d` rendezvous (values may be shell / k8s variables).
-    `--nnodes=N` is N:N: a lost node's replacement joins the next round. The store lives in one agent: the
-    first whose address matches the endpoint hosts it, so with nodes behind one address (the two-node test)
-    losing that node took every agent's store along; `store_host` (node number known) decides instead."""
-    conf = f"join_timeout={REJOIN_TIMEOUT_S}"
-    conf += "" if store_host is None else f",is_host={str(store_host).lower()}"
-    return [
-        f"--nnodes={topology.nodes}",
-        f"--nproc-per-node={topology.gpus_per_node}",
-        "--rdzv-backend=c10d",
-        f"--rdzv-endpoint={rdzv_host}:{rdzv_port}",
-        f"--rdzv-id={run_id}",
-        f"--rdzv-conf={conf}",
-        f"--max-restarts={max_restarts}",
-    ]
-
-
-RDZV_HOST_PLACEHOLDER = "<node-0-address>"
-
-
-def local_torchrun_argv(
-    torchrun: str,
-    topology: Topology,
-    options: LaunchOptions,
-    program: Sequence[str],
-    run_id: str,
-    max_restarts: int,
-) -> list[str]:
-    """One machine's torchrun command: standalone (a free port) for one node, else the elastic rendezvous
-    at --master-addr (a placeholder in a plan that is refused for lack of one)."""
-    if topology.nodes == 1:
-        # --standalone picks a free port itself, so two local runs on one machine never collide.
-        flags = ["--standalone", "--nnodes=1", f"--nproc-per-node={topology.gpus_per_node}"]
-    else:
-        host = options.master_addr or RDZV_HOST_PLACEHOLDER
-        store_host = None if options.node_rank is None else options.node_rank == 0
-        flags = torchrun_args(topology, host, str(options.master_port), run_id, max_restarts, store_host)
-    return [torchrun, *flags, "-m", *program]

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import math
 import shlex
-from collections.abc import Mapping
+import socket
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from shared.launch.plan import (
     ARRAY_JOB_ID,
     DEFAULT_GPUS_PER_NODE,
     LaunchError,
+    LaunchOptions,
     LaunchPlan,
     RankResources,
     Step,
@@ -18,10 +20,8 @@ from shared.launch.plan import (
     check_local_capacity,
     check_name,
     local_torchrun,
-    local_torchrun_argv,
     plural,
     repo_python,
-    torchrun_args,
     workdir,
 )
 from shared.launch.specs import (
@@ -40,7 +40,7 @@ from shared.launch.specs import (
     render_sbatch,
     secret_by_value,
 )
-from shared.launch.supervisor import Supervision
+from shared.launch.supervisor import REJOIN_TIMEOUT_S, Supervision
 from shared.launch.validate import SHELL_PATH, check_options, check_value, check_values, parse_sbatch_option
 
 # The pod annotation an Indexed Job sets to the pod's index: node rank i is pod i.
@@ -50,6 +50,74 @@ K8S_JOB_UID = "metadata.labels['batch.kubernetes.io/controller-uid']"
 SBATCH = ("sbatch", "--parsable")  # --parsable: print only "<job id>[;<cluster>]"
 KUBECTL_APPLY = ("kubectl", "apply", "-f", "-")
 K8S_DEFAULT_GRACE_S = 30  # Kubernetes' own terminationGracePeriodSeconds
+
+
+# --- torchrun ---------------------------------------------------------------------------------------
+def torchrun_args(
+    topology: Topology,
+    rdzv_host: str,
+    rdzv_port: str,
+    run_id: str,
+    max_restarts: int,
+    store_host: bool | None = None,
+) -> list[str]:
+    """torchrun's flags for one node of an elastic `c10d` rendezvous (values may be shell / k8s variables).
+    `--nnodes=N` is N:N: a lost node's replacement joins the next round. The store lives in one agent: the
+    first whose address matches the endpoint hosts it, so with nodes behind one address (the two-node test)
+    losing that node took every agent's store along; `store_host` (node number known) decides instead."""
+    # read_timeout: how long an agent's store client waits to reach the store (torch's default 60 s, one
+    # retry): a node started two minutes before node 0 gave up, saying a lost node was never replaced.
+    conf = f"join_timeout={REJOIN_TIMEOUT_S},read_timeout={REJOIN_TIMEOUT_S}"
+    conf += "" if store_host is None else f",is_host={str(store_host).lower()}"
+    return [
+        f"--nnodes={topology.nodes}",
+        f"--nproc-per-node={topology.gpus_per_node}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={rdzv_host}:{rdzv_port}",
+        f"--rdzv-id={run_id}",
+        f"--rdzv-conf={conf}",
+        f"--max-restarts={max_restarts}",
+    ]
+
+
+RDZV_HOST_PLACEHOLDER = "<node-0-address>"
+
+
+def local_torchrun_argv(
+    torchrun: str,
+    topology: Topology,
+    options: LaunchOptions,
+    program: Sequence[str],
+    run_id: str,
+    max_restarts: int,
+) -> list[str]:
+    """One machine's torchrun command: standalone (a free port) for one node, else the elastic rendezvous
+    at --master-addr (a placeholder in a plan that is refused for lack of one)."""
+    if topology.nodes == 1:
+        # --standalone picks a free port itself, so two local runs on one machine never collide.
+        flags = ["--standalone", "--nnodes=1", f"--nproc-per-node={topology.gpus_per_node}"]
+    else:
+        host = options.master_addr or RDZV_HOST_PLACEHOLDER
+        store_host = None if options.node_rank is None else options.node_rank == 0
+        flags = torchrun_args(topology, host, str(options.master_port), run_id, max_restarts, store_host)
+        if local := address_toward(options.master_addr, options.master_port):
+            flags.append(f"--local-addr={local}")
+    return [torchrun, *flags, "-m", *program]
+
+
+def address_toward(host: str | None, port: int) -> str | None:
+    """This machine's address on the route to `host`: what the other nodes reach it by. torch publishes node
+    0's fully qualified hostname to the ranks as MASTER_ADDR unless told an address, and machines that reach
+    each other by IP (`--master-addr 10.0.0.1`) but cannot resolve each other's names looped in 300 s start-up
+    timeouts. None when there is no route (the plan is refused for lack of a --master-addr, or says so)."""
+    if not host:
+        return None
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((host, port))  # UDP: picks the route, sends nothing
+            return str(probe.getsockname()[0])
+    except OSError:
+        return None
 
 
 def requeue_resources(supervision: Supervision) -> dict[str, object]:

@@ -5,6 +5,7 @@ On Slurm it reads the job's end time and asks the ranks to save `--deadline-lead
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -47,6 +48,7 @@ def supervise(
     supervision = Supervision(max_restarts, hang_timeout_s, max_wall_time_s, deadline_lead_s, elastic=elastic)
     end = slurm_end_time()
     deadline = None if end is None else end - supervision.deadline_lead_s
+    command = with_store_host(command, os.environ.get("NODE_RANK"))
     code = Supervisor(command, supervision, deadline=deadline).run()
     if stopped_mark and code == control.EXIT_RESUMABLE:
         # srun --kill-on-bad-exit SIGKILLs every other node when one task exits non-zero: the nodes still
@@ -55,6 +57,23 @@ def supervise(
         Path(stopped_mark).write_text(f"{code}\n")
         code = control.EXIT_DONE
     raise typer.Exit(code)
+
+
+def with_store_host(command: list[str], node_rank: str | None) -> list[str]:
+    """torchrun's `--rdzv-conf` with `is_host` from this node's number (Slurm's node id, the pod's completion
+    index: NODE_RANK), as the local launcher passes it: node 0 hosts the rendezvous store. Left to torch,
+    the host is the node whose own address matches the endpoint, decided once at start, and a pod whose
+    Service name did not resolve yet hosted nothing: every pod timed out and the Job spent its backoff."""
+    if node_rank is None or not node_rank.isdigit():
+        return command
+    flag = "--rdzv-conf="
+    out = []
+    for word in command:
+        if word.startswith(flag) and "is_host=" not in word:
+            conf = word[len(flag) :]
+            word = f"{flag}{conf + ',' if conf else ''}is_host={str(int(node_rank) == 0).lower()}"
+        out.append(word)
+    return out
 
 
 def main(argv: Sequence[str] | None = None) -> int:

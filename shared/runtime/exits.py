@@ -27,7 +27,7 @@ import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -142,6 +142,9 @@ SELF_EXPLAINED = (EXIT_RESUMABLE, EXIT_FATAL)  # exit codes whose rank printed w
 # torch's per-rank "failed (exitcode: N)" and "Sending process N closing signal" lines; the line below says it
 ELASTIC_API_LOGGER = "torch.distributed.elastic.multiprocessing.api"
 TORCHRUN_FAILED = 1  # torchrun's own exit code when a rank failed
+# Ours when the rendezvous failed (its store unreachable or gone): the supervisor then says so, not that the
+# restarts were spent or a lost node never came back.
+RENDEZVOUS_FAILED = 3
 TORCHELASTIC_TEMP_PREFIX = "torchelastic_"
 CPP_LOG_ENV = "TORCH_CPP_LOG_LEVEL"
 
@@ -201,7 +204,7 @@ def _torchrun_quietly(
             raise
         cause = f" ({err.__cause__})" if err.__cause__ else ""
         print(f"torchrun: the rendezvous failed: {err}{cause}", file=sys.stderr, flush=True)
-        sys.exit(TORCHRUN_FAILED)
+        sys.exit(RENDEZVOUS_FAILED)
     except failed as err:
         if debug_enabled():
             raise
@@ -216,3 +219,9 @@ def _torchrun_quietly(
 
 if __name__ == "__main__":
     run_torchrun()
+
+
+def rendezvous_endpoint(argv: Sequence[str]) -> str:
+    """torchrun's `--rdzv-endpoint` in `argv` ("its endpoint" when there is none)."""
+    flag = "--rdzv-endpoint="
+    return next((word[len(flag) :] for word in argv if word.startswith(flag)), "its endpoint")

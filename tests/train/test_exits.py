@@ -203,7 +203,8 @@ def test_the_supervisor_runs_torchrun_without_its_traceback_box() -> None:
 
 def test_a_rendezvous_whose_store_is_unreachable_ends_torchrun_in_one_line() -> None:
     """A node whose rendezvous store is gone (node 0, which hosts it, lost) or never came: torchrun's agent
-    raises RendezvousConnectionError; through the wrapper that is one line and exit 1, no traceback."""
+    raises RendezvousConnectionError; through the wrapper that is one line and exit 3 (RENDEZVOUS_FAILED: the
+    supervisor names the unreachable store, not spent restarts), no traceback."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]  # closed again below: nothing listens there
@@ -214,7 +215,7 @@ def test_a_rendezvous_whose_store_is_unreachable_ends_torchrun_in_one_line() -> 
     ]  # fmt: skip
     env = {**os.environ, DEBUG_ENV: "0"}
     run = subprocess.run(argv, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120)
-    assert run.returncode == 1, run.stderr
+    assert run.returncode == 3, run.stderr
     # One line: no Python traceback, and none of the agent's C++ connect retries with their C++ stacks.
     [line] = run.stderr.strip().splitlines()
     assert line.startswith("torchrun: the rendezvous failed: ") and "timed out" in line, run.stderr

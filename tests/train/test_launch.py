@@ -34,7 +34,6 @@ from shared.launch.plan import (
     derive_topology,
     job_name,
     local_torchrun,
-    torchrun_args,
 )
 from shared.launch.report import summarize
 from shared.launch.specs import (
@@ -49,7 +48,7 @@ from shared.launch.specs import (
     render_sbatch,
     render_template,
 )
-from shared.launch.steps import inside_single_quotes
+from shared.launch.steps import inside_single_quotes, torchrun_args
 from train.cli import app
 from train.launch import launch_command, load_train_config, plan_train
 
@@ -570,7 +569,7 @@ def test_k8s_manifest_has_replicas_gpus_command_and_env(train_yaml: Path, monkey
         "--rdzv-backend=c10d",
         "--rdzv-endpoint=sd-train-sd2-test-0.sd-train-sd2-test:29400",
         "--rdzv-id=$(RDZV_ID)",
-        "--rdzv-conf=join_timeout=600",
+        "--rdzv-conf=join_timeout=600,read_timeout=600",
         f"--max-restarts={plan.supervision.max_restarts}",
         "-m",
         "train",
@@ -723,8 +722,11 @@ def test_two_local_node_launches_meet_at_one_rendezvous(tmp_path: Path) -> None:
             gpus=2, nodes=2, node_rank=node_rank, master_addr="127.0.0.1", master_port=port
         )
         step = steps.local_step(_local_plan(tmp_path, options))
-        conf = f"--rdzv-conf=join_timeout=600,is_host={'true' if node_rank == 0 else 'false'}"
+        conf = (
+            f"--rdzv-conf=join_timeout=600,read_timeout=600,is_host={'true' if node_rank == 0 else 'false'}"
+        )
         assert conf in step.argv
+        assert "--local-addr=127.0.0.1" in step.argv  # the ranks get the address, not an FQDN to resolve
         procs.append(subprocess.Popen(step.argv, env={**env, **step.env}, stderr=subprocess.PIPE, text=True))
         time.sleep(2 if node_rank == 1 else 0)
     for proc in procs:
@@ -737,6 +739,26 @@ def test_two_local_node_launches_meet_at_one_rendezvous(tmp_path: Path) -> None:
         ("1", "1", "2"),
     ]
     assert all(r["all_reduce"] == 3.0 and r["TORCHELASTIC_RUN_ID"] == "sd-train-probe" for r in records)
+
+
+def test_supervise_names_node_0_the_rendezvous_host_on_slurm_and_kubernetes() -> None:
+    """Left to torch, the store's host is the node whose own address matches the endpoint, decided once at
+    start: a pod 0 whose Service name did not resolve yet hosted nothing, and every pod timed out."""
+    from shared.launch.supervise import with_store_host
+
+    argv = ["torchrun", "--nnodes=4", "--rdzv-conf=join_timeout=600,read_timeout=600", "-m", "train"]
+    assert with_store_host(argv, "0")[2] == "--rdzv-conf=join_timeout=600,read_timeout=600,is_host=true"
+    assert with_store_host(argv, "3")[2] == "--rdzv-conf=join_timeout=600,read_timeout=600,is_host=false"
+    assert with_store_host(argv, None) == argv  # no node number (a local launch passes it itself)
+    chosen = ["torchrun", "--rdzv-conf=is_host=false"]
+    assert with_store_host(chosen, "0") == chosen
+
+
+def test_a_node_reaches_the_rendezvous_by_its_address_toward_node_0() -> None:
+    from shared.launch.steps import address_toward
+
+    assert address_toward("127.0.0.1", 29500) == "127.0.0.1"
+    assert address_toward(None, 29500) is None
 
 
 # ------------------------------------------------------------------------------------------ fits the cluster
