@@ -4,7 +4,8 @@ A lease is one small JSON object next to the data, `<dataset root>/_leases/<leas
 version, the job (run name), host, pid and when it was written and expires (unix seconds). The job writes
 it when it starts, rewrites it every LEASE_REFRESH_S while it runs and deletes it when it ends cleanly; a
 job that dies stops refreshing, and its lease expires LEASE_TTL_S after the last write, so a crash never
-pins a version forever. Works for local folders and s3:// through shared/storage.py.
+pins a version forever; `encode gc` removes leases lapsed for another LEASE_TTL_S. A lease is named by job and
+host, so a restart rewrites its own. Works for local folders and s3:// through shared/storage.py.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import re
 import socket
 import time
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from shared import storage
 
@@ -68,11 +70,11 @@ class Lease:
             raise LeaseError(f"a lease lacks or mistypes a field ({err})") from err
 
 
-def lease_name(job: str, host: str | None = None, pid: int | None = None) -> str:
-    """A file-safe, per-process lease name: `<job>-<host>-<pid>` with other characters replaced."""
+def lease_name(job: str, host: str | None = None) -> str:
+    """A file-safe lease name per job and host, `<job>-<host>` with other characters replaced: a restart of
+    the job on the host rewrites its lease (named by pid, each of 21 restarts left one more file, forever)."""
     host = host or socket.gethostname()
-    pid = os.getpid() if pid is None else pid
-    name = _UNSAFE_NAME_CHARS.sub("_", f"{job}-{host}-{pid}").strip("_-")[:160] or f"job-{pid}"
+    name = _UNSAFE_NAME_CHARS.sub("_", f"{job}-{host}").strip("_-")[:160] or "job"
     return check_lease_name(name)
 
 
@@ -104,16 +106,19 @@ def remove_lease(root: str, name: str) -> None:
     storage.delete(lease_uri(root, name))
 
 
-def list_leases(root: str) -> tuple[list[Lease], dict[str, str]]:
-    """Every lease under `root` (expired ones too), and the files that are not leases (uri -> reason)."""
-    leases, unreadable = [], {}
+def list_leases(root: str, with_uris: bool = False) -> tuple[list[Any], dict[str, str]]:
+    """Every lease under `root` (expired ones too; `with_uris`: as (uri, lease)), and the files that are not
+    leases (uri -> reason)."""
+    leases: list[Any] = []
+    unreadable = {}
     for info in storage.list_files(leases_dir(root)):
         name = info.uri.rsplit("/", 1)[-1]
         if not name.endswith(".json") or not LEASE_NAME.fullmatch(name.removesuffix(".json")):
             unreadable[info.uri] = "not a lease file name"
             continue
         try:
-            leases.append(Lease.from_json(storage.read_json(info.uri)))
+            lease = Lease.from_json(storage.read_json(info.uri))
+            leases.append((info.uri, lease) if with_uris else lease)
         except FileNotFoundError:
             continue  # removed by its job since the listing
         except (LeaseError, json.JSONDecodeError, UnicodeDecodeError) as err:
@@ -121,14 +126,17 @@ def list_leases(root: str) -> tuple[list[Lease], dict[str, str]]:
     return leases, unreadable
 
 
-def live_leases(root: str, now: float | None = None) -> dict[str, list[Lease]]:
-    """version -> its unexpired leases."""
+def live_leases(root: str, now: float | None = None, remove_lapsed: bool = False) -> dict[str, list[Lease]]:
+    """version -> its unexpired leases. `remove_lapsed`: delete leases expired for another LEASE_TTL_S (their
+    jobs died or stopped an hour ago; a job that resumes writes a new one at its start)."""
     now = time.time() if now is None else now
-    leases, unreadable = list_leases(root)
+    leases, unreadable = list_leases(root, with_uris=True)
     for uri, reason in unreadable.items():
         log.warning("ignoring %s: %s", uri, reason)
     out: dict[str, list[Lease]] = {}
-    for lease in leases:
+    for uri, lease in leases:
         if lease.is_live(now):
             out.setdefault(lease.version, []).append(lease)
+        elif remove_lapsed and now > lease.expires + LEASE_TTL_S:
+            storage.delete(uri)
     return out

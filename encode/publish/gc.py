@@ -72,7 +72,7 @@ def collect_garbage(
     versions = list_versions(layout)
     older = [v for v in versions if v != current.version]
     kept = [current.version, *older[: max(keep - 1, 0)]]
-    leases = live_leases(layout.root, now)
+    leases = live_leases(layout.root, now, remove_lapsed=not dry_run)
     clock = time.time() if now is None else now
     leased = {v: [lease.describe(clock) for lease in leases[v]] for v in versions if v in leases}
     held = [v for v in older if v in leased and v not in kept]

@@ -22,6 +22,7 @@ from composer.utils.misc import create_interval_scheduler
 
 from shared.encoders import EMBEDDINGS
 from shared.manifest import DatasetManifest
+from shared.runtime.background import BackgroundJob
 from train.config import EvalConfig
 from train.data.loader import PinnedData
 from train.ema.algorithm import find_ema
@@ -33,7 +34,7 @@ from train.model.diffusion import DenoiseInput, Objective
 
 log = logging.getLogger(__name__)
 
-METRICS_FILENAME = "metrics.jsonl"  # train/loop/trainer.py writes it into the run's local folder
+METRICS_FILENAME = "metrics.jsonl"  # train/loop/callbacks.py writes it into the run's local folder
 
 
 class use_training_weights:
@@ -71,6 +72,7 @@ class HeldOutEval(Callback):
         self.due = create_interval_scheduler(cfg.interval, include_end_of_training=True)
         self.rows: EvalRows | None = None
         self.last_evaluated = -1  # the last batch of training is both an interval hit and the end
+        self.plotting = BackgroundJob("drawing the loss plot")
 
     def batch_checkpoint(self, state: State, logger: Logger) -> None:
         self._maybe_eval(state, logger, Event.BATCH_CHECKPOINT)
@@ -79,14 +81,20 @@ class HeldOutEval(Callback):
         self._maybe_eval(state, logger, Event.EPOCH_CHECKPOINT)
 
     def fit_end(self, state: State, logger: Logger) -> None:
-        self.plot()  # loggers run first: metrics.jsonl is complete
+        self.plotting.finish()  # loggers run first: metrics.jsonl is complete
+        self.plot()
+        self.plotting.finish()
 
     def plot(self) -> None:
-        if self.local_dir and dist.get_global_rank() == 0:
+        """Redraw the loss plot in the background (rank 0): the other ranks went on to the next step's
+        collective while rank 0 read the whole file and drew it (seconds at 1M steps); skipped while the
+        last one still draws."""
+        if self.local_dir and dist.get_global_rank() == 0 and not self.plotting.busy():
             from train.eval.plot import LOSS_PLOT, plot_losses
 
             folder = Path(self.local_dir)
-            plot_losses(folder / METRICS_FILENAME, folder / LOSS_PLOT, "training and held-out loss")
+            args = (folder / METRICS_FILENAME, folder / LOSS_PLOT, "training and held-out loss")
+            self.plotting.start(plot_losses, *args)
 
     def _maybe_eval(self, state: State, logger: Logger, event: Event) -> None:
         batch = int(state.timestamp.batch)

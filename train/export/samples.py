@@ -31,6 +31,7 @@ from composer.utils import dist
 from composer.utils.misc import create_interval_scheduler
 
 from shared.encoders import EncoderIdentity
+from shared.launch import control
 from shared.models import build_vae
 from shared.presets import get_preset
 from train.config import SamplesConfig
@@ -190,12 +191,24 @@ class SampleRenderer(Callback):
     def preload(self) -> None:
         """Build the VAE and encode the prompts now, on the host (the text encoder is dropped afterwards);
         local rank 0 first, then the node's other ranks (module doc). Never inside a collective window."""
-        with local_rank_zero_first(self.out_dir):
+        with local_rank_zero_first(self.marker_dir()):
             preset = get_preset(self.model_cfg.preset)
             text = self.encoder.build_text_encoder()
             prompts = [p for p in self.cfg.prompts for _ in range(self.cfg.images_per_prompt)]
             self.prompt_embeddings = text.encode(prompts)
             self.vae = build_vae(preset, self.encoder.pretrained)
+
+    def marker_dir(self) -> str:
+        """Where local rank 0 says it has loaded: the supervisor's control folder (node-local, removed with
+        it), else the samples folder; either way removed at close. In the samples folder every launch left
+        one (`.loaded-<host>-<pid>`, mirrored to S3 too: 22 after 21 restarts)."""
+        folder = control.control_dir()
+        return str(folder) if folder is not None else self.out_dir
+
+    def post_close(self) -> None:
+        if dist.get_local_rank() == 0:  # every rank of the node has long passed its preload
+            with contextlib.suppress(OSError):
+                os.unlink(loaded_marker(self.marker_dir()))
 
     def render(self, state: State) -> None:
         """Sample on every rank (an FSDP forward is collective); rank 0 writes the grid."""
@@ -264,13 +277,17 @@ LOADED_MARKER = ".loaded-{host}-{launch}"  # one per node and per launch: ranks 
 LOAD_WAIT_S = 3600.0  # a hub download of SD2's text tower and VAE (~1.7 GB) over a slow link
 
 
+def loaded_marker(marker_dir: str) -> str:
+    return os.path.join(marker_dir, LOADED_MARKER.format(host=socket.gethostname(), launch=os.getppid()))
+
+
 @contextlib.contextmanager
 def local_rank_zero_first(marker_dir: str, timeout_s: float = LOAD_WAIT_S) -> Iterator[None]:
     """Local rank 0 runs the body first and then writes a marker; the node's other ranks wait for the
     marker (polling a file, no collective and so no collective timeout) and then run the body, which finds
     rank 0's local copy. The marker is named by the host and the launcher's pid (the ranks' common parent
     under torchrun and Composer's launcher), so one left by an earlier launch is never taken for this one."""
-    marker = os.path.join(marker_dir, LOADED_MARKER.format(host=socket.gethostname(), launch=os.getppid()))
+    marker = loaded_marker(marker_dir)
     if dist.get_local_rank() != 0:
         deadline = time.monotonic() + timeout_s
         while not os.path.exists(marker):

@@ -73,10 +73,24 @@ def test_gc_force_deletes_a_leased_version_through_the_cli(dataset: tuple[Path, 
     assert read_manifest(str(out)).version == v2
 
 
+def test_gc_removes_leases_that_lapsed_long_ago(dataset: tuple[Path, Path, str, str]) -> None:
+    """Each restart of a run (a kill -9 never releases) left its lease file next to the data, forever."""
+    _, out, v1, _ = dataset
+    now = 1_000_000_000.0
+    leases.write_lease(str(out), "dead", v1, "dead-run", now=now - 2 * leases.LEASE_TTL_S - 10)
+    leases.write_lease(str(out), "lapsed", v1, "lapsed-run", now=now - leases.LEASE_TTL_S - 10)
+    leases.write_lease(str(out), "live", v1, "live-run", now=now - 10)
+    collect_garbage(Layout(str(out)), keep=1, dry_run=True, now=now)
+    assert len(leases.list_leases(str(out))[0]) == 3  # a dry run deletes nothing
+    report = collect_garbage(Layout(str(out)), keep=1, now=now)
+    assert sorted(lease.job for lease in leases.list_leases(str(out))[0]) == ["lapsed-run", "live-run"]
+    assert v1 in report.leased  # the live lease still holds its version
+
+
 def test_lease_names_are_validated(tmp_path: Path) -> None:
     with pytest.raises(leases.LeaseError):
         leases.lease_uri(str(tmp_path), "../../etc/x")
-    name = leases.lease_name("my run/../x", host="h", pid=1)
+    name = leases.lease_name("my run/../x", host="h")
     assert "/" not in name and ".." not in name
     (tmp_path / "_leases").mkdir()
     (tmp_path / "_leases" / "junk.json").write_text("{not json")

@@ -52,6 +52,8 @@ def test_renderer_loads_at_build_and_never_during_training(
     assert sorted(p.name for p in (tmp_path / "save" / "samples").glob("*.png")) == [
         "ba00000001.png", "ba00000002.png",
     ]  # fmt: skip
+    # the loaded marker went at close: every launch left one in the samples folder (and mirrored to S3)
+    assert not list((tmp_path / "save" / "samples").glob(".loaded-*"))
 
 
 def _load_as(local_rank: int, marker_dir: str, log: str) -> None:
