@@ -11,6 +11,7 @@ import typer
 
 from shared.launch.control import EXIT_FATAL
 from shared.runtime.exits import Stop, add_debug_option, guard_commands, main, path_problem
+from shared.storage.errors import OUTAGE_NOT_A_SETTING
 
 HELP_WIDTH = shutil.get_terminal_size((120, 24)).columns  # COLUMNS, the terminal, or 120 when piped
 app = typer.Typer(
@@ -43,6 +44,7 @@ def _user_errors() -> tuple[type[Exception], ...]:
     from shared.models import TextLayerError
     from shared.storage import StorageError
     from train.checkpoints.files import CheckpointError, UnsafeCheckpointError
+    from train.checkpoints.owner import SaveFolderInUseError
     from train.checkpoints.record import DatasetChangedError, ObjectiveChangedError
     from train.data.loader import DataError
     from train.ema.names import EMAStoreMismatchError
@@ -59,6 +61,7 @@ def _user_errors() -> tuple[type[Exception], ...]:
         BatchingError,
         CheckpointError,
         UnsafeCheckpointError,
+        SaveFolderInUseError,
         DataError,
         StorageError,
         EncoderMismatchError,
@@ -72,15 +75,23 @@ def _user_errors() -> tuple[type[Exception], ...]:
 
 def classify(err: BaseException) -> Stop | None:
     """Expected stops of train commands (shared/runtime/exits.py): the message names the fix; None: a bug."""
+    from shared.storage import redact_url
     from train.resilience.exits import ResumableStop, peer_lost, resumable_exit_code
+    from train.resilience.outage import StorageOutageStop
 
     if lost := peer_lost(err):  # another rank died: one line, exit 1 as before (torchrun restarts)
         return Stop(1, prefix="", message=lost)
+    quiet = int(os.environ.get("RANK", "0")) != 0
     if isinstance(err, ResumableStop):  # saved on a signal or a deadline: one line (rank 0's), rerun
         # 75, or 0 under a supervisor that exits 75 itself (torchrun restarts ranks that exit non-zero)
-        return Stop(resumable_exit_code(), prefix="", quiet=int(os.environ.get("RANK", "0")) != 0)
+        return Stop(resumable_exit_code(), prefix="", quiet=quiet)
+    if isinstance(err, StorageOutageStop):  # S3 never answered at the start: rerun later, as a stop
+        return Stop(resumable_exit_code(), quiet=quiet)
     if _is_outage(err):  # exit 1 like a crash: the supervisor restarts from the last checkpoint
-        return Stop(1, message=f"{err} (an outage, not a setting: a rerun resumes from the last checkpoint)")
+        what = redact_url(str(err))  # a library's error text can carry the endpoint's credentials
+        if not what.endswith(OUTAGE_NOT_A_SETTING):  # shared/storage/outage.py's errors say it already
+            what += f" ({OUTAGE_NOT_A_SETTING})"
+        return Stop(1, message=f"{what}: a rerun resumes from the last checkpoint")
     if isinstance(err, _user_errors()):
         return Stop(EXIT_FATAL)
     return path_problem(err)
@@ -95,12 +106,16 @@ def _tell_the_supervisor(err: BaseException) -> None:
     stop = classify(err)
     if stop is not None and stop.code == EXIT_FATAL:
         record_fatal(err, "finished" if isinstance(err, RunFinishedError) else "fatal")
+    elif stop is not None and stop.code == 1 and _is_outage(err):
+        record_fatal(err, "outage")  # the supervisor's first restart after one is not a crash (supervisor.py)
 
 
 def _is_outage(err: BaseException) -> bool:
-    from shared.storage import StorageError
+    """S3 failing as an outage does, ours (a transient StorageError) or a library's (Composer's uploader,
+    Streaming's downloads: botocore's connection errors, 5xx, throttling; shared/storage/outage.py)."""
+    from shared.storage.outage import is_outage
 
-    return isinstance(err, StorageError) and err.transient
+    return is_outage(err)
 
 
 @app.command()

@@ -155,7 +155,9 @@ def check_save_folder(plan: LaunchPlan, cfg: TrainConfig) -> None:
 
 def node_local_lines(cfg: TrainConfig, topology: Topology, shared_save: bool) -> list[str]:
     """What each node keeps on its own disk (the dry-run plan's `node-local` rows)."""
-    cache = cfg.data.cache_dir or "<tmp>/sd-pretrain-streaming-<uid> (data.cache_dir)"
+    cache = (
+        cfg.data.cache_dir or "<tmp>/sd-pretrain-streaming-<uid>/.../run-<hash(save_folder)> (data.cache_dir)"
+    )
     where = "on each node" if topology.nodes > 1 else "on the node"
     save = cfg.save_folder
     run_dir = cfg.log.local_dir or (

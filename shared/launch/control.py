@@ -24,11 +24,13 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 CONTROL_DIR_ENV = "SD_CONTROL_DIR"
+CONTROL_PREFIX = "sd-control-"  # the supervisor's folder in the node's temp folder
 SCRATCH_DIR = "tmp"  # the ranks' TMPDIR inside the control folder
 DEADLINE_ENV = "SD_DEADLINE"
 STOP_FILE = "stop"
@@ -74,6 +76,23 @@ def read_json(path: Path) -> dict[str, Any] | None:
         return json.loads(path.read_text())
     except (OSError, ValueError):
         return None
+
+
+OWNER_FILE = "owner"  # "<pid> <start>" of the supervisor that made the folder
+
+
+def write_owner(folder: Path) -> None:
+    pid = os.getpid()
+    (folder / OWNER_FILE).write_text(f"{pid} {process_start(pid) or 0}")
+
+
+def owner_is_gone(folder: Path) -> bool:
+    """Whether the supervisor that made `folder` has ended (False without a readable owner record)."""
+    try:
+        pid, start = (int(part) for part in (folder / OWNER_FILE).read_text().split())
+    except (OSError, ValueError):
+        return False
+    return process_start(pid) != start
 
 
 def write_heartbeat(folder: Path, rank: int, batch: int, finished: bool = False) -> None:
@@ -139,3 +158,16 @@ def clear_attempt(folder: Path) -> None:
     """Before a (re)start: no heartbeat, exit record or stop request of the previous attempt remains."""
     for path in [*folder.glob(f"{HEARTBEAT_PREFIX}*"), folder / EXIT_FILE, folder / STOP_FILE]:
         path.unlink(missing_ok=True)
+
+
+def remove_dead_control_folders(temp: Path) -> int:
+    """Remove `sd-control-*` folders whose supervisor is gone: one SIGKILLed with its node (a node lost
+    whole, rerun in place) never removed its own, and it held the ranks' scratch TMPDIR with Composer's
+    staged checkpoint copies (two of 14 GB each for SD2-base) for good. A folder without an owner record
+    (an older supervisor's, or one just created) is left alone."""
+    removed = 0
+    for folder in temp.glob(f"{CONTROL_PREFIX}*"):
+        if folder.is_dir() and not folder.is_symlink() and owner_is_gone(folder):
+            shutil.rmtree(folder, ignore_errors=True)
+            removed += 1
+    return removed

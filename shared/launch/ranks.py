@@ -18,7 +18,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -143,14 +143,16 @@ def strays(control_folder: Path, keep: Iterable[int]) -> list[int]:
 FileId = tuple[int, int]  # (st_dev, st_ino): an inode number alone is unique only within one file system
 
 
-def _shm_mappings(pids: Iterable[int]) -> Iterator[tuple[FileId, str]]:
+def _shm_mappings(pids: Iterable[int], unlinked: bool = True) -> Iterator[tuple[FileId, str]]:
     """(file id, path) of each /dev/shm file the processes map, from /proc/<pid>/maps (its device field is
-    `major:minor` in hex)."""
+    `major:minor` in hex); `unlinked=False` leaves out files already unlinked (" (deleted)")."""
     for pid in pids:
         with contextlib.suppress(OSError, ValueError):
             for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
                 parts = line.split(maxsplit=5)
                 if len(parts) == 6 and parts[5].startswith(SHM):
+                    if not unlinked and parts[5].endswith(" (deleted)"):
+                        continue
                     major, minor = (int(half, 16) for half in parts[3].split(":"))
                     yield (os.makedev(major, minor), int(parts[4])), parts[5].removesuffix(" (deleted)")
 
@@ -158,8 +160,11 @@ def _shm_mappings(pids: Iterable[int]) -> Iterator[tuple[FileId, str]]:
 def mapped_shm(pids: Iterable[int]) -> set[str]:
     """The /dev/shm files (Python's named semaphores `sem.mp-*`, Streaming's shared memory) the processes
     map: the supervisor unlinks those still there when it exits, since a rank SIGKILLed together with its
-    resource tracker (torchrun kills the rank's process group) never unlinks them."""
-    return {path for _, path in _shm_mappings(pids)}
+    resource tracker (torchrun kills the rank's process group) never unlinks them. Files already unlinked
+    are not kept: every DataLoader batch in shared memory is one (`torch_<pid>_...`), and their names grew
+    the supervisor's set by 4 a second (1 GB a node over 1M steps of the SD2 recipe); a semaphore whose
+    creator still maps its temporary name is found by `orphan_semaphores`."""
+    return {path for _, path in _shm_mappings(pids, unlinked=False)}
 
 
 def unmapped_shm(paths: Iterable[str]) -> set[str]:
@@ -246,12 +251,22 @@ class Generations:
     def hung(
         self, beats: Iterable[Heartbeat], alive: Callable[[int], bool], now: float, timeout_s: float
     ) -> list[int]:
-        """Ranks of this generation, still running (or stopped), whose last step is older than timeout_s."""
+        """Ranks of this generation, still running (or stopped), whose last step is older than timeout_s; a
+        finished rank's heartbeat is kept fresh while its last uploads run, so stale it is a closing hang."""
         return sorted(
             beat.rank
             for beat in beats
-            if beat.pid in self.pids
-            and not beat.finished
-            and alive(beat.pid)
-            and now - beat.mtime > timeout_s
+            if beat.pid in self.pids and alive(beat.pid) and now - beat.mtime > timeout_s
         )
+
+
+def stacks_report(hung: list[int], ranks: Mapping[int, int], hang_timeout_s: float) -> list[str]:
+    """The supervisor's lines for a hang: which ranks, the stopped ones named (they hold everyone else in
+    a collective), then every rank's stack. `ranks`: pid -> rank."""
+    held = [f"rank {rank} (pid {pid})" for pid, rank in sorted(ranks.items()) if stopped(pid)]
+    why = f"; {', '.join(held)} is stopped (SIGSTOP or a tracer)" if held else ""
+    lines = [f"rank(s) {hung} hung (no step for {hang_timeout_s:g} s){why}; stacks follow"]
+    return lines + [
+        f"--- rank {rank} (pid {pid}) ---\n{stack_of(pid)}"
+        for pid, rank in sorted(ranks.items(), key=lambda item: item[1])
+    ]

@@ -8,9 +8,11 @@ Ctrl-C or a TERM to the launch's process group reaches only this process):
   boundary, save and exit, and the supervisor exits EXIT_RESUMABLE. A second signal kills the ranks.
 - a rank dies (kill -9, OOM, a lost GPU): torchrun fails; the whole node restarts from the last checkpoint,
   up to `max_restarts` times.
-- a rank completes no step for `hang_timeout_s` (its heartbeat goes stale): every rank's Python stack is
-  logged (py-spy reads a stopped process from outside), every process of the attempt is SIGKILLed, and the
-  node restarts as after a crash.
+- a rank completes no step for `hang_timeout_s` (its heartbeat goes stale), or still runs that long after
+  its trainer closed: every rank's Python stack is logged (py-spy reads a stopped process from outside),
+  every process of the attempt is SIGKILLed, and the node restarts as after a crash.
+- an S3 outage (a rank records `outage`): a restart not counted as a crash, once a step; the restarted ranks
+  wait for S3 before they read anything (train/resilience/outage.py).
 - an error no restart fixes (rank 0 records it as `fatal`), or a failure at the same step as the previous
   one: stop at once with its message and the checkpoint a rerun resumes from.
 Several nodes (`elastic`): torchrun's elastic agent restarts the ranks, every node's together
@@ -35,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shared.launch import control
+from shared.launch.control import CONTROL_PREFIX as CONTROL_PREFIX  # where the tests look
 from shared.launch.ranks import (
     Generations,
     alive,
@@ -44,17 +47,15 @@ from shared.launch.ranks import (
     kill_ranks_first,
     mapped_shm,
     orphan_semaphores,
-    stack_of,
-    stopped,
+    stacks_report,
     strays,
     unmapped_shm,
     wait_exited,
 )
-from shared.runtime.exits import torchrun_argv
+from shared.runtime.exits import RENDEZVOUS_FAILED, rendezvous_endpoint, torchrun_argv
 from shared.storage.safety import NODE_TMPDIR_ENV
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
-CONTROL_PREFIX = "sd-control-"
 # How long the surviving nodes' agents wait in a new rendezvous round for a lost node's replacement before
 # torchrun stops (torchrun's own join_timeout default, passed explicitly so the plan and the docs name it).
 REJOIN_TIMEOUT_S = 600
@@ -93,7 +94,8 @@ class Supervision:
 class Outcome:
     """How one torchrun attempt ended."""
 
-    kind: str  # done | resumable | fatal | finished (the run had reached max_duration) | crash | hang
+    # done | resumable | fatal | finished (the run had reached max_duration) | outage | crash | hang
+    kind: str
     batch: int  # the highest step any rank completed (-1: none)
     detail: str = ""
 
@@ -114,7 +116,9 @@ class Supervisor:
         self.env = dict(os.environ if env is None else env)
         self.log = log or (lambda text: print(f"supervisor: {text}", file=sys.stderr, flush=True))
         # Node-local ($TMPDIR): heartbeats are rewritten every step and must not load a shared filesystem.
-        self.folder = Path(tempfile.mkdtemp(prefix=CONTROL_PREFIX))
+        removed = control.remove_dead_control_folders(Path(tempfile.gettempdir()))
+        self.folder = Path(tempfile.mkdtemp(prefix=control.CONTROL_PREFIX))
+        control.write_owner(self.folder)
         self.deadline = deadline
         if supervision.max_wall_time_s is not None:
             own = time.time() + supervision.max_wall_time_s - supervision.deadline_lead_s
@@ -123,6 +127,8 @@ class Supervisor:
         self.proc: subprocess.Popen[bytes] | None = None
         self.shm: set[str] = set()  # /dev/shm files the run's processes mapped (ranks.mapped_shm)
         self.started = time.time()  # semaphores no process maps, created since then, are the run's orphans
+        if removed:
+            self.log(f"removed {removed} control folder(s) of supervisors that are gone (a node lost whole)")
 
     # ------------------------------------------------------------------------------------------ signals
     def on_signal(self, signum: int, frame: object) -> None:
@@ -171,7 +177,7 @@ class Supervisor:
             self.log(f"removed {removed} file(s) the ranks left in /dev/shm (killed before they could)")
 
     def _loop(self) -> int:
-        restarts, last_failure = 0, None
+        restarts, last_failure, last_outage = 0, None, None
         while True:
             outcome = self.attempt()
             self.end_strays(keep=[os.getpid()])  # torchrun has exited: nothing of this attempt may stay
@@ -179,6 +185,13 @@ class Supervisor:
             if code is not None:
                 return code
             where = self.resume_point()
+            if outcome.kind == "outage" and outcome.batch != last_outage:  # a second at one step counts
+                last_outage = outcome.batch  # the restarted ranks wait for S3 before they read anything
+                self.log(
+                    f"S3 outage at step {outcome.batch} ({outcome.detail}): restarting from {where}; the "
+                    "ranks wait for S3 before they read anything (not counted as a crash)"
+                )
+                continue
             if last_failure is not None and outcome.batch == last_failure:
                 self.log(
                     f"{outcome.kind} again at step {outcome.batch}, as before the last restart: a restart "
@@ -216,10 +229,20 @@ class Supervisor:
         code = self.final_code(outcome, restarted=gens.restarts > 0)
         if code is not None:
             return code
+        if self.proc.returncode == RENDEZVOUS_FAILED:
+            why = (
+                f"this node could not reach the rendezvous store ({rendezvous_endpoint(self.argv)}, node 0's "
+                "agent: it is gone or not started yet, or its address does not reach it from here; "
+                "torchrun's line above says which)"
+            )
+        else:
+            why = (
+                f"its restarts (resilience.max_restarts={self.supervision.max_restarts}) are spent, or a "
+                f"lost node was not replaced within {REJOIN_TIMEOUT_S} s"
+            )
         self.log(
             f"torchrun stopped at step {outcome.batch} after {gens.restarts} restart(s) ({outcome.detail}): "
-            f"its restarts (resilience.max_restarts={self.supervision.max_restarts}) are spent, or a lost "
-            f"node was not replaced within {REJOIN_TIMEOUT_S} s. A rerun resumes from {self.resume_point()}"
+            f"{why}. A rerun resumes from {self.resume_point()}"
         )
         return control.EXIT_GAVE_UP
 
@@ -292,12 +315,16 @@ class Supervisor:
 
     def resume_point(self) -> str:
         progress = control.read_json(self.folder / control.PROGRESS_FILE) or {}
-        checkpoint = progress.get("checkpoint")
-        return (
-            f"the checkpoint of step {progress.get('saved_batch')} ({checkpoint})"
-            if checkpoint
-            else ("the latest checkpoint in save_folder (none saved by this launch)")
-        )
+        checkpoint, saved = progress.get("checkpoint"), progress.get("saved_batch")
+        if not checkpoint:
+            return "the latest checkpoint in save_folder (none saved by this launch)"
+        uploaded = progress.get("uploaded_batch")  # an s3:// save folder: the last save known to be there
+        if not str(checkpoint).startswith("s3://") or uploaded == saved:
+            return f"the checkpoint of step {saved} ({checkpoint})"
+        if uploaded is None:
+            return f"the latest checkpoint in save_folder (step {saved}'s was still uploading)"
+        arrived = progress.get("uploaded_checkpoint")
+        return f"the checkpoint of step {uploaded} ({arrived}; step {saved}'s was still uploading)"
 
     def attempt(self) -> Outcome:
         control.clear_attempt(self.folder)
@@ -313,10 +340,10 @@ class Supervisor:
         beats = control.read_heartbeats(self.folder)
         batch = max((beat.batch for beat in beats), default=-1)
         if hung is not None:
+            closing = all(beat.finished for beat in beats if beat.rank in hung)
             self.tear_down(hung)
-            return Outcome(
-                "hang", batch, f"rank(s) {hung} completed no step for {self.supervision.hang_timeout_s:g} s"
-            )
+            what = "did not exit after training ended" if closing else "completed no step"
+            return Outcome("hang", batch, f"rank(s) {hung} {what} for {self.supervision.hang_timeout_s:g} s")
         return self.classify(self.proc.returncode, batch)
 
     def attempt_env(self) -> dict[str, str]:
@@ -334,12 +361,14 @@ class Supervisor:
         return env
 
     def stale_ranks(self) -> list[int] | None:
-        """Ranks whose last step is older than hang_timeout_s (None: all alive or not started stepping)."""
+        """Ranks whose last step is older than hang_timeout_s (None: all alive or not started stepping),
+        and ranks still running that long after their trainer closed (train/resilience/monitor.py): a
+        teardown that never returns (NCCL's) held the whole job until its scheduler's time limit."""
         now = time.time()
         stale = [
             b.rank
             for b in control.read_heartbeats(self.folder)
-            if not b.finished and now - b.mtime > self.supervision.hang_timeout_s
+            if now - b.mtime > self.supervision.hang_timeout_s and (not b.finished or alive(b.pid))
         ]
         return stale or None
 
@@ -349,6 +378,8 @@ class Supervisor:
         record = control.read_json(self.folder / control.EXIT_FILE) or {}
         if record.get("state") in ("resumable", "fatal", "finished"):
             return Outcome(record["state"], int(record.get("batch", batch)), str(record.get("message", "")))
+        if record.get("state") == "outage" and returncode != 0:  # at the step the heartbeats reached
+            return Outcome("outage", batch, str(record.get("message", "")))
         if returncode == 0:
             return Outcome("done", batch)
         return Outcome("crash", batch, f"torchrun exited {returncode}")
@@ -364,11 +395,6 @@ class Supervisor:
         self.proc.wait()
 
     def log_stacks(self, hung: list[int], ranks: Mapping[int, int]) -> None:
-        """`ranks`: pid -> rank. Names the stopped ones: they hold everyone else in a collective."""
-        held = [f"rank {rank} (pid {pid})" for pid, rank in sorted(ranks.items()) if stopped(pid)]
-        why = f"; {', '.join(held)} is stopped (SIGSTOP or a tracer)" if held else ""
-        self.log(
-            f"rank(s) {hung} hung (no step for {self.supervision.hang_timeout_s:g} s){why}; stacks follow"
-        )
-        for pid, rank in sorted(ranks.items(), key=lambda item: item[1]):
-            self.log(f"--- rank {rank} (pid {pid}) ---\n{stack_of(pid)}")
+        """`ranks`: pid -> rank (ranks.stacks_report)."""
+        for line in stacks_report(hung, ranks, self.supervision.hang_timeout_s):
+            self.log(line)

@@ -13,6 +13,8 @@ class StorageError(OSError):
         self.transient = transient
 
 
+OUTAGE_NOT_A_SETTING = "an outage, not a setting"  # how an outage's message ends (shared/storage/outage.py)
+
 # S3 error codes of a server that is there but cannot answer now (botocore's own retryable set, named).
 TRANSIENT_CODES = frozenset(
     {

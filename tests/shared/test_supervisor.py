@@ -5,6 +5,7 @@ paths with real training ranks: tests/train/resilience/test_unattended.py."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -128,6 +129,85 @@ def test_a_stale_heartbeat_is_a_hang_the_processes_are_killed_and_restarted(tmp_
     text = "\n".join(lines)
     assert "rank(s) [0] hung" in text and "--- rank 0 (pid" in text
     assert "restart 1/1" in text
+
+
+OUTAGE = """echo '{"state": "outage", "batch": -1, "message": "StorageError: S3 did not answer"}' \\
+    > "$SD_CONTROL_DIR/exit.json"; exit 1
+"""
+
+
+def test_an_s3_outage_restarts_without_counting_as_a_crash(tmp_path: Path) -> None:
+    """Attempt 1 fails at step 6 on an outage, attempt 2 crashes at the same step, attempt 3 ends. Counted as
+    crashes, the second failure at step 6 would have stopped the launch (a crash loop)."""
+    body = 'echo "6 $$" > "$SD_CONTROL_DIR/heartbeat-rank0"\n'
+    body += "if [ $n -eq 1 ]; then " + OUTAGE.replace("\n", " ").strip() + "; fi\n"
+    body += "if [ $n -eq 2 ]; then exit 1; fi\nexit 0\n"
+    code, lines = run(tmp_path, body, max_restarts=1)
+    assert code == control.EXIT_DONE and attempts(tmp_path) == 3, lines
+    text = "\n".join(lines)
+    assert "S3 outage at step 6 (StorageError: S3 did not answer)" in text and "not counted" in text
+    assert "restart 1/1" in text
+
+
+def test_outages_again_at_the_same_step_count_as_crashes(tmp_path: Path) -> None:
+    body = 'echo "6 $$" > "$SD_CONTROL_DIR/heartbeat-rank0"\n' + OUTAGE
+    code, lines = run(tmp_path, body, max_restarts=3)
+    assert code == control.EXIT_GAVE_UP and attempts(tmp_path) == 3, lines
+    assert "again at step 6" in lines[-1]
+
+
+def test_a_rank_that_never_exits_after_training_is_a_closing_hang(tmp_path: Path) -> None:
+    """Attempt 1 finishes training and then hangs in its teardown (a process group's destroy that never
+    returns): it was never watched, and held the job until the scheduler's time limit. Killed after
+    hang_timeout_s; the restart finds the run finished: done."""
+    body = """if [ $n -eq 1 ]; then echo "12 $$ 0 finished" > "$SD_CONTROL_DIR/heartbeat-rank0"; sleep 600; fi
+    """
+    code, lines = run(tmp_path, body + FINISHED, max_restarts=1, hang_timeout_s=1)
+    assert code == control.EXIT_DONE and attempts(tmp_path) == 2, lines
+    text = "\n".join(lines)
+    assert "rank(s) [0] did not exit after training ended for 1 s" in text
+    assert "the run had finished before the crash" in lines[-1]
+
+
+def test_a_finished_rank_whose_process_is_gone_is_no_hang(tmp_path: Path) -> None:
+    """Rank 0 finished and exited while another rank still uploads (here: the attempt itself goes on)."""
+    body = """(echo "12 $BASHPID 0 finished" > "$SD_CONTROL_DIR/heartbeat-rank0"); sleep 2.5; exit 0
+    """
+    code, lines = run(tmp_path, body, max_restarts=1, hang_timeout_s=1)
+    assert code == control.EXIT_DONE and attempts(tmp_path) == 1, lines
+
+
+def test_the_resume_point_of_an_s3_save_folder_is_the_last_save_that_arrived(tmp_path: Path) -> None:
+    """Step 8's checkpoint was still uploading when the rank died: a restart resumes from step 4's (the
+    supervisor had named step 8's, which never reached S3)."""
+    progress = {
+        "saved_batch": 8, "checkpoint": "s3://b/run/ep0-ba8-rank0.pt",
+        "uploaded_batch": 4, "uploaded_checkpoint": "s3://b/run/ep0-ba4-rank0.pt",
+    }  # fmt: skip
+    body = f"echo '{json.dumps(progress)}' > \"$SD_CONTROL_DIR/progress.json\"\n"
+    body += 'echo "9 $$" > "$SD_CONTROL_DIR/heartbeat-rank0"\nexit 1\n'
+    code, lines = run(tmp_path, body, max_restarts=1)
+    assert code == control.EXIT_GAVE_UP
+    assert (
+        "from the checkpoint of step 4 (s3://b/run/ep0-ba4-rank0.pt; step 8's was still uploading)"
+        in lines[0]
+    ), lines
+    progress.pop("uploaded_batch")
+    progress.pop("uploaded_checkpoint")
+    body = f"echo '{json.dumps(progress)}' > \"$SD_CONTROL_DIR/progress.json\"\nexit 1\n"
+    (tmp_path / "attempts").unlink()
+    code, lines = run(tmp_path, body, max_restarts=1)
+    assert "from the latest checkpoint in save_folder (step 8's was still uploading)" in lines[0], lines
+
+
+def test_elastic_an_unreachable_rendezvous_is_named_not_taken_for_spent_restarts(tmp_path: Path) -> None:
+    lines: list[str] = []
+    argv = [*script(tmp_path, "exit 3\n"), "--rdzv-endpoint=node0.example:29400"]
+    env = {**os.environ, "T": str(tmp_path)}
+    code = Supervisor(argv, Supervision(elastic=True, **FAST), env=env, log=lines.append).run()
+    assert code == control.EXIT_GAVE_UP
+    assert "could not reach the rendezvous store (node0.example:29400, node 0's agent" in lines[-1], lines
+    assert "restarts" not in lines[-1].split("):", 1)[1]
 
 
 def test_sigterm_asks_the_ranks_to_stop_and_exits_resumable(tmp_path: Path) -> None:
@@ -334,3 +414,23 @@ def test_a_heartbeat_whose_pid_another_process_took_is_no_rank(tmp_path: Path) -
     (tmp_path / "heartbeat-rank3").write_text(f"7 {os.getpid()}")  # no start: taken as written
     beats = control.read_heartbeats(tmp_path)
     assert [(b.rank, b.batch, b.finished) for b in beats] == [(0, 9, False), (2, 4, True), (3, 7, False)]
+
+
+def test_a_gone_supervisors_control_folder_is_removed_by_the_next(tmp_path: Path) -> None:
+    """A node lost whole and rerun in place: the dead supervisor's control folder, with the ranks' scratch
+    TMPDIR and Composer's staged checkpoint copies in it (two of 14 GB for SD2-base), stayed for good."""
+    from shared.launch.control import CONTROL_PREFIX, remove_dead_control_folders
+
+    gone = subprocess.Popen(
+        [sys.executable, "-c", "import pathlib, sys; from shared.launch import control; "
+         "d = pathlib.Path(sys.argv[1]); d.mkdir(); control.write_owner(d); (d / 'tmp').mkdir()",
+         str(tmp_path / f"{CONTROL_PREFIX}gone")], cwd=Path(__file__).resolve().parents[2],
+    )  # fmt: skip
+    assert gone.wait(timeout=60) == 0
+    live = tmp_path / f"{CONTROL_PREFIX}live"
+    live.mkdir()
+    control.write_owner(live)  # this process: alive
+    unknown = tmp_path / f"{CONTROL_PREFIX}unknown"
+    unknown.mkdir()  # no owner record: left alone
+    assert remove_dead_control_folders(tmp_path) == 1
+    assert not (tmp_path / f"{CONTROL_PREFIX}gone").exists() and live.exists() and unknown.exists()

@@ -194,3 +194,19 @@ def test_every_rank_refuses_alike_after_one_real_gather(tmp_path: Path, agree: b
     if not agree:
         assert [rank for rank, _ in said] == [0, 1] and said[0][1] == said[1][1]
         assert "16 on rank 0 (gpu 0); 32 on rank 1 (gpu 1)" in said[0][1]
+
+
+def test_ranks_started_with_different_configs_are_refused_naming_the_keys() -> None:
+    """The same command typed on each machine of a local multi-node launch, one with another override: the
+    nodes formed one world and each trained at its own learning rate; both exited 0."""
+    from train.loop.prepare import check_ranks_agree
+
+    same = {"optimizer.lr": "0.0001", "data.uri": '"s3://b/laion"'}
+    decisions = [{"gpu": "g", "device_microbatch_size": "8", "config": dict(same)} for _ in range(4)]
+    check_ranks_agree(decisions)
+    for rank in (2, 3):
+        decisions[rank]["config"]["optimizer.lr"] = "0.01"
+    with pytest.raises(ConfigError) as err:
+        check_ranks_agree(decisions)
+    assert "different configs (optimizer.lr: 0.0001 on ranks 0-1; 0.01 on ranks 2-3)" in str(err.value)
+    assert "start every node with the same config and overrides" in str(err.value)

@@ -5,8 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import re
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from composer.core import Callback, Event, State
 from composer.loggers import Logger
@@ -14,7 +13,11 @@ from composer.utils import dist
 from composer.utils.misc import create_interval_scheduler
 
 from shared import storage
+from shared.runtime.background import CLOSE_WAIT_S, BackgroundJob
 from train.checkpoints.files import UnsafeCheckpointError, find_latest_checkpoint
+
+if TYPE_CHECKING:
+    from train.config import TrainConfig
 
 log = logging.getLogger(__name__)
 
@@ -54,13 +57,13 @@ class CheckpointRetention(Callback):
     Composer prunes only the checkpoints the current process saved, and never remote ones, so after a
     cancel + resubmit a folder keeps every earlier job's checkpoints (~14 GB each for SD2-base). This lists
     the folder instead. It runs on rank 0, once per saved checkpoint (not per batch: Composer fires
-    BATCH_CHECKPOINT after every batch), in one background worker so a slow listing never holds up a
-    step; the worker is joined and a final pass runs after the trainer closed, when every upload and the
-    final `latest` are written (Composer's uploader finishes at fit end, after the callbacks of that event,
-    hence `post_close`). See checkpoints_to_delete for what may go.
+    BATCH_CHECKPOINT after every batch), in a background thread so a slow listing never holds up a
+    step (shared/runtime/background.py); a final pass runs after the trainer closed, when every upload and
+    the final `latest` are written (Composer's uploader finishes at fit end, after the callbacks of that
+    event, hence `post_close`), waited for at most a minute. See checkpoints_to_delete for what may go.
     """
 
-    def __init__(self, save_folder: str, keep: int, interval: Any):
+    def __init__(self, save_folder: str, keep: int, interval: Any, close_wait_s: float = CLOSE_WAIT_S):
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
         self.save_folder = save_folder
@@ -69,7 +72,8 @@ class CheckpointRetention(Callback):
         # too), or an interval string.
         self.due = interval if callable(interval) else create_interval_scheduler(interval)
         self.saved_since_prune = False
-        self.worker: ThreadPoolExecutor | None = None
+        self.pruning = BackgroundJob("pruning old checkpoints")
+        self.close_wait_s = close_wait_s  # for the last pass, after the trainer closed
         self.closed = False
 
     def prune(self) -> list[str]:
@@ -130,17 +134,31 @@ class CheckpointRetention(Callback):
             self.saved_since_prune = True
 
     def batch_start(self, state: State, logger: Logger) -> None:
-        if self.saved_since_prune:
-            self.saved_since_prune = False
-            if self.worker is None:
-                self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-retention")
-            self.worker.submit(self.prune_best_effort)
+        if self.saved_since_prune and self.pruning.start(self.prune_best_effort):
+            self.saved_since_prune = False  # else the last prune still runs: try at the next batch
 
     def post_close(self) -> None:
         # Composer may close an engine twice (explicitly, then at interpreter exit): prune once.
         if self.closed:
             return
         self.closed = True
-        if self.worker is not None:
-            self.worker.shutdown(wait=True)
-        self.prune_best_effort()
+        if not self.pruning.last(self.prune_best_effort, timeout_s=self.close_wait_s):
+            log.warning(
+                "gave up pruning %s at close (S3 is not answering); the next run prunes", self.save_folder
+            )
+
+
+def save_folder_keep(cfg: TrainConfig) -> int:
+    """How many checkpoints CheckpointRetention keeps in save_folder (<= 0: it does not run)."""
+    if cfg.save_is_remote():
+        return cfg.save_num_remote_checkpoints_to_keep
+    return cfg.save_num_checkpoints_to_keep
+
+
+def composer_keep(cfg: TrainConfig) -> int:
+    """Composer's own pruning: of its local copies of an s3:// run; off (-1) for a local save folder, where
+    CheckpointRetention prunes by listing (Composer's pruning forgets earlier jobs, and its os.remove
+    would fail on a file retention already deleted)."""
+    if cfg.save_is_remote() or cfg.save_num_checkpoints_to_keep <= 0:
+        return cfg.save_num_checkpoints_to_keep
+    return -1

@@ -7,6 +7,7 @@ from typing import Literal
 
 from shared.config import ConfigError
 from shared.config.values import allowed
+from shared.runtime.background import CLOSE_WAIT_S
 from train.config.checks import (
     _INTERVAL_UNITS,
     SD2_PROMPTS,
@@ -146,6 +147,11 @@ class LogConfig:
     wandb_entity: str | None = None
 
 
+# Of the timeout that would end a rank waiting on a shard (another rank's collective, or the hang timeout):
+# the rest is left for the download itself once S3 answers, and for the step.
+SHARD_PATIENCE_SHARE = 0.75
+
+
 @dataclass
 class ResilienceConfig:
     """Unattended runs (docs/running-unattended.md): what the supervising launch process and the ranks do
@@ -164,6 +170,23 @@ class ResilienceConfig:
     max_wall_time: str | None = allowed(None, check=wall_time)
     # Seconds before a deadline by which the save must start; null: from the plan's estimated save time.
     exit_lead_s: float | None = None
+    # How long an S3 outage (no connection, timeouts, 5xx, throttling) is waited out before the run gives up
+    # on it: a checkpoint upload retries in the background meanwhile, and a run starting (or restarting)
+    # waits for S3 before it reads anything. A shard download a step waits on gets less: 3/4 of
+    # collective_timeout_s (the other ranks wait in a collective meanwhile) or of hang_timeout_s on one rank.
+    # Past it: an upload's outage restarts the ranks; a start still waiting exits 75 (rerun, or requeued).
+    outage_patience_s: float = allowed(1800.0, gt=0)
 
     def max_wall_time_s(self) -> float | None:
         return None if self.max_wall_time is None else wall_time_seconds(self.max_wall_time, "max_wall_time")
+
+    def close_wait_s(self) -> float:
+        """What a closing run gives each best-effort S3 task (the run folder's last copy, the last prune, the
+        lease's release): never more than the outage patience (shared/runtime/background.py)."""
+        return min(CLOSE_WAIT_S, self.outage_patience_s)
+
+    def shard_patience_s(self, world_size: int) -> float:
+        """How long a shard download a step waits on sits out an S3 outage (see outage_patience_s): a
+        waiting rank must not outlast the other ranks' collective timeout, nor the hang timeout alone."""
+        bound = self.collective_timeout_s if world_size > 1 else self.hang_timeout_s
+        return min(self.outage_patience_s, SHARD_PATIENCE_SHARE * bound)

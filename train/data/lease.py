@@ -1,10 +1,14 @@
 """Hold a lease on the dataset version this run streams, so `encode gc` keeps it (shared/leases.py).
 
-Rank 0 writes the lease at FIT_START, rewrites it at the first BATCH_END after each LEASE_REFRESH_S of wall
-time (a clock check per step, at most one write per refresh period, no storage call otherwise) and
-deletes it at FIT_END. A job that stops (to be resumed), hangs or dies stops refreshing, so its lease
-expires LEASE_TTL_S after its last write and gc may reclaim the version then. A failed write (an S3
-hiccup) is logged and retried a minute later; it never stops training.
+Rank 0 writes the lease as soon as the run has pinned the version (`hold_now`: before the model is built
+and a checkpoint loaded, minutes for SD2-base from S3, during which `encode gc` deleted a pinned version no
+lease named yet; at FIT_START when nothing held it before), rewrites it at the first BATCH_END after each
+LEASE_REFRESH_S of wall time (a clock check per step, at most one write per refresh period, no storage call
+otherwise) and deletes it at FIT_END. A job that stops (to be resumed), hangs or dies stops refreshing, so
+its lease expires LEASE_TTL_S after its last write and gc may reclaim the version then. A failed write (an
+S3 hiccup) is logged and retried a minute later; it never stops training. Refreshes are written by a
+background thread: during an S3 outage one write takes the client's retries (~30 s), once a minute, and
+rank 0's steps waited for it while the other ranks waited in a collective.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from composer.loggers import Logger
 from composer.utils import dist
 
 from shared.leases import LEASE_REFRESH_S, LEASE_TTL_S, lease_name, remove_lease, write_lease
+from shared.runtime.background import CLOSE_WAIT_S, BackgroundJob
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +40,7 @@ class DatasetLease(Callback):
         refresh_s: float = LEASE_REFRESH_S,
         ttl_s: float = LEASE_TTL_S,
         clock: Callable[[], float] = time.time,
+        close_wait_s: float = CLOSE_WAIT_S,
     ) -> None:
         if ttl_s <= refresh_s:
             raise ValueError(f"lease ttl_s {ttl_s} must exceed refresh_s {refresh_s}, or it lapses between")
@@ -43,17 +49,31 @@ class DatasetLease(Callback):
         self.name = lease_name(job)
         self.next_write: float | None = None  # None: not holding a lease
         self.writes = 0
+        self.refreshing = BackgroundJob("refreshing the dataset lease")
+        self.close_wait_s = close_wait_s  # for the release at FIT_END
 
-    def fit_start(self, state: State, logger: Logger) -> None:
+    def hold_now(self) -> DatasetLease:
+        """Rank 0 writes the lease now (it is pinned; nothing else of the run has started)."""
         if dist.get_global_rank() == 0:
             self._write()
+        return self
+
+    def fit_start(self, state: State, logger: Logger) -> None:
+        if dist.get_global_rank() == 0 and self.next_write is None:  # not held since hold_now
+            self._write()  # before the first step
 
     def batch_end(self, state: State, logger: Logger) -> None:
-        if self.next_write is not None and self.clock() >= self.next_write:
-            self._write()
+        if self.next_write is not None and self.clock() >= self.next_write and not self.refreshing.busy():
+            self.next_write = self.clock() + self.refresh_s  # no second refresh started behind this one
+            self.refreshing.start(self._write)
+
+    def wait_for_refresh(self) -> bool:
+        """Until a refresh in flight is written or has failed (at most a close's wait); whether it ended."""
+        return self.refreshing.finish(self.close_wait_s)
 
     def fit_end(self, state: State, logger: Logger) -> None:
-        self._release()
+        # In the background too, waited for at most a close's wait: else it expires by itself.
+        self.refreshing.last(self._release, timeout_s=self.close_wait_s)
 
     # No release at close: a stopped or crashed run (a requeue, a restart) keeps its lease until it expires,
     # so `encode gc` in the meantime leaves the version it resumes on (train/data/recorded.py).

@@ -102,11 +102,17 @@ def default_cache_root() -> str:
     return str(storage.private_temp_dir("sd-pretrain-streaming", "data.cache_dir"))
 
 
-def cache_dir_for(cache_root: str, root: str, version: str, resolution: int) -> str:
-    """`<cache_root>/<hash(root)>/<vid>/<res>`: one folder per live dataset, never shared across versions."""
-    return os.path.join(
+def cache_dir_for(cache_root: str, root: str, version: str, resolution: int, run_key: str = "") -> str:
+    """`<cache_root>/<hash(root)>/<vid>/<res>`: one folder per live dataset, never shared across versions.
+
+    In the default cache root, a training run's own subfolder `run-<hash(run_key)>` (its save folder): two
+    live StreamingDatasets may not share a folder, and the second run on a host's data (a sweep, another
+    recipe) was refused until given a data.cache_dir of its own. A resume of the run finds its shards
+    again; a data.cache_dir the user names is used as it is."""
+    folder = os.path.join(
         cache_root or default_cache_root(), fingerprint(root.rstrip("/")), version, str(resolution)
     )
+    return os.path.join(folder, f"run-{fingerprint(run_key)}") if run_key and not cache_root else folder
 
 
 def read_dataset_manifest(cfg: DataConfig) -> DatasetManifest:
@@ -116,15 +122,16 @@ def read_dataset_manifest(cfg: DataConfig) -> DatasetManifest:
     return read_manifest(cfg.uri.rstrip("/"), cfg.version)
 
 
-def pin_version(cfg: DataConfig, manifest: DatasetManifest) -> PinnedData:
-    """Place the manifest's version's index for data.resolution in this dataset's own cache folder.
+def pin_version(cfg: DataConfig, manifest: DatasetManifest, run_key: str = "") -> PinnedData:
+    """Place the manifest's version's index for data.resolution in this dataset's own cache folder
+    (`run_key`: a training run's save folder, see cache_dir_for).
 
     Call after the contract check: the resolution must exist in the manifest.
     """
     root = cfg.uri.rstrip("/")
     vid = manifest.version
     layout = Layout(root)
-    local = cache_dir_for(cfg.cache_dir, root, vid, cfg.resolution)
+    local = cache_dir_for(cfg.cache_dir, root, vid, cfg.resolution, run_key)
     claim_local_dir(local)
     remote = layout.stream_root(cfg.resolution)
     info = manifest.resolutions[cfg.resolution]
@@ -178,7 +185,7 @@ def place_index(index_uri: str, local: str, shapes: Shapes, num_samples: int, re
 def _streaming_dataset_class() -> type:
     from streaming import StreamingDataset
 
-    from train.data.mds_reader import decode_train_columns_only, shard_failure
+    from train.data.mds_reader import decode_train_columns_only, download_patiently, shard_failure
 
     class LatentStreamingDataset(StreamingDataset):
         """StreamingDataset whose rows carry only the precomputed columns plus a per-sample seed.
@@ -189,12 +196,13 @@ def _streaming_dataset_class() -> type:
         thread failed"; `prepare_shard` keeps the real error so `get_item` raises it.
         """
 
-        def __init__(self, *, seed: int, **kwargs: Any) -> None:
+        def __init__(self, *, seed: int, download_patience_s: float | None = None, **kwargs: Any) -> None:
             super().__init__(**kwargs)
             decode_train_columns_only(self.shards)
+            download_patiently(self.streams, download_patience_s)
             self.sample_seed_base = seed
             self.current_epoch = 0
-            self.shard_failure: DataError | None = None
+            self.shard_failure: Exception | None = None
 
         def prepare_shard(self, shard_id: int, blocking: bool = True) -> None:
             try:
@@ -255,13 +263,18 @@ def build_dataset(
     seed: int,
     streams: list[Any] | None = None,
     batching_method: str | None = None,
+    download_patience_s: float | None = None,
 ) -> Any:
     """The StreamingDataset over the pinned version (remote shards, private local cache); rows carry their
     stored training columns, their sample seed and their stream. `streams`: Streaming `Stream`s of a
     data.streams mix (train/data/mix.py) or of a bucketed dataset's buckets (train/data/buckets.py), read
-    instead of `pinned`, batched by `batching_method` (None: data.batching_method)."""
+    instead of `pinned`, batched by `batching_method` (None: data.batching_method). `download_patience_s`:
+    how long a shard download waits out an S3 outage (train/data/mds_reader.py PatientStream; None:
+    Streaming's own three tries)."""
     with streaming_prefix_lock() as created:
-        return created(_new_dataset(cfg, pinned, per_rank_batch, seed, streams, batching_method))
+        return created(
+            _new_dataset(cfg, pinned, per_rank_batch, seed, streams, batching_method, download_patience_s)
+        )
 
 
 def _new_dataset(
@@ -271,6 +284,7 @@ def _new_dataset(
     seed: int,
     streams: list[Any] | None,
     batching_method: str | None = None,
+    download_patience_s: float | None = None,
 ) -> Any:
     cls = _streaming_dataset_class()
     where: dict[str, Any] = {"remote": pinned.remote, "local": pinned.local}
@@ -278,6 +292,7 @@ def _new_dataset(
         where = {"streams": streams, "batching_method": batching_method or cfg.batching_method}
     return cls(
         seed=seed,
+        download_patience_s=download_patience_s,
         **where,
         epoch_size=cfg.epoch_size,
         batch_size=per_rank_batch,
@@ -300,11 +315,13 @@ def build_dataloader(
     seed: int,
     streams: list[Any] | None = None,
     batching_method: str | None = None,
+    download_patience_s: float | None = None,
 ) -> Any:
     """A StreamingDataLoader (Composer checkpoints its dataset's position, so resumes are mid-epoch exact)
     whose batches are packed into one buffer each (train/data/packing.py; `packing.unpack` gives the
-    columns). It counts the samples it hands out per stream (`stream_taken`)."""
-    dataset = build_dataset(cfg, pinned, per_rank_batch, seed, streams, batching_method)
+    columns). It counts the samples it hands out per stream (`stream_taken`). `download_patience_s`: as
+    build_dataset's."""
+    dataset = build_dataset(cfg, pinned, per_rank_batch, seed, streams, batching_method, download_patience_s)
     check_one_batch_per_epoch(len(dataset), per_rank_batch, cfg)
     extra: dict[str, Any] = {}
     if cfg.num_workers > 0:

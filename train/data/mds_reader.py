@@ -3,8 +3,8 @@
 Streaming's MDSReader decodes every column of a row, including `key` and `caption`, which training never
 uses: a caption with non-UTF-8 bytes in a stored shard would stop the job with a UnicodeDecodeError deep in
 a dataloader worker. Columns outside TRAIN_COLUMNS are skipped, never decoded. And what a shard that cannot
-be read or downloaded means for the user (`shard_failure`), and the check of a local dataset's shard files
-before step 1 (`check_shard_files`).
+be read or downloaded means for the user (`shard_failure`), shard downloads that wait out a short S3 outage
+(`PatientStream`), and the check of a local dataset's shard files before step 1 (`check_shard_files`).
 """
 
 from __future__ import annotations
@@ -13,11 +13,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from streaming import Stream
 from streaming.base.format.mds.encodings import mds_decode
 from streaming.base.format.mds.reader import MDSReader
 
 from shared import storage
 from shared.contract import SHARD_HASH, TRAIN_COLUMNS, ContractError
+from shared.storage.outage import wait_out_outages
 from train.data.streaming_host import DataError
 
 _SIZE_PREFIX = np.dtype("<u4")  # a variable-size MDS value is preceded by its byte count
@@ -48,10 +50,42 @@ def decode_train_columns_only(shards: list[Any]) -> None:
             shard.__class__ = TrainColumnsReader
 
 
-def shard_failure(err: Exception) -> DataError | None:
+class PatientStream(Stream):
+    """A Streaming stream whose file downloads wait out an S3 outage for `download_patience_s` (each one
+    after Streaming's own three tries; shared/storage/outage.py). The step that needs the shard waits
+    meanwhile, and so do the other ranks, in their next collective: the patience stays under the
+    collective timeout (train/config/job.py `shard_patience_s`), and a longer outage fails the ranks, which
+    restart and wait for S3 before they read anything (train/resilience/outage.py)."""
+
+    download_patience_s: float = 0.0
+
+    def _download_file(self, from_basename: str, to_basename: str | None = None) -> str:
+        parent = super()._download_file
+        what = f"downloading {from_basename} of the dataset at {storage.redact_url(str(self.remote))}"
+        setting = "3/4 of resilience.collective_timeout_s, hang_timeout_s on one rank"
+        call = lambda: parent(from_basename, to_basename)  # noqa: E731
+        return wait_out_outages(call, what, self.download_patience_s, setting=setting)
+
+
+def download_patiently(streams: list[Any], patience_s: float | None) -> None:
+    """Make a dataset's streams wait out outages (None: Streaming's own tries only). A class swap, as
+    `decode_train_columns_only` does: StreamingDataset builds the stream of a single dataset itself, and a
+    module-level class pickles into the loader's worker processes."""
+    if patience_s is None:
+        return
+    for stream in streams:
+        if type(stream) is Stream:
+            stream.__class__ = PatientStream
+            stream.download_patience_s = patience_s
+
+
+def shard_failure(err: Exception) -> Exception | None:
     """What a shard download that failed for good means for the user (None: not a data problem). Streaming
     raises it in its download thread, which the reading thread reports only as "Background thread
-    failed" under a few hundred lines of traceback."""
+    failed" under a few hundred lines of traceback. An outage outlasting PatientStream's wait is itself
+    (a transient StorageError: train/cli.py exits 1 and the supervisor restarts)."""
+    if isinstance(err, storage.StorageError) and err.transient:
+        return err
     text = str(err)
     if isinstance(err, ValueError) and "Checksum failure" in text:
         return DataError(

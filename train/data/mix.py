@@ -93,12 +93,15 @@ def encoder_facts(identity: EncoderIdentity, scale_factor: float) -> dict[str, A
     }
 
 
-def pin_streams(cfg: DataConfig, manifests: list[tuple[str, DatasetManifest]]) -> list[PinnedStream]:
-    """Pin every stream's version into its own cache folder (after the contract checks)."""
+def pin_streams(
+    cfg: DataConfig, manifests: list[tuple[str, DatasetManifest]], run_key: str = ""
+) -> list[PinnedStream]:
+    """Pin every stream's version into its own cache folder (after the contract checks; `run_key`: as
+    train/data/loader.py pin_version's)."""
     from train.data.loader import pin_version
 
     return [
-        PinnedStream(name, stream, pin_version(stream_data_config(cfg, stream), manifest))
+        PinnedStream(name, stream, pin_version(stream_data_config(cfg, stream), manifest, run_key))
         for stream, (name, manifest) in zip(cfg.streams, manifests, strict=True)
     ]
 

@@ -4,13 +4,15 @@ batching, the dataset manifest and its contract, the pinned version, where train
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
 from shared.batching import Batching, derive_batching
-from shared.config import ConfigError
+from shared.config import ConfigError, config_to_dict
 from shared.contract import ContractError, Expectation, check_compatible
 from shared.manifest import DatasetManifest
 from shared.presets import get_preset
@@ -104,7 +106,7 @@ def prepare_data(cfg: TrainConfig) -> tuple[DatasetManifest, PinnedData, list[Pi
     if not cfg.data.is_mix():
         manifest = read_dataset_manifest(cfg.data)
         check_data_contract(cfg, manifest)
-        return manifest, pin_version(cfg.data, manifest), []
+        return manifest, pin_version(cfg.data, manifest, cfg.save_folder), []
     manifests = read_stream_manifests(cfg.data)
     for (name, manifest), stream in zip(manifests, cfg.data.streams, strict=True):
         try:
@@ -112,7 +114,7 @@ def prepare_data(cfg: TrainConfig) -> tuple[DatasetManifest, PinnedData, list[Pi
         except ContractError as err:
             raise ContractError(f"data.streams: stream {name} ({stream.uri}): {err}") from None
     check_same_encoders(manifests)
-    streams = pin_streams(cfg.data, manifests)
+    streams = pin_streams(cfg.data, manifests, cfg.save_folder)
     return manifests[0][1], streams[0].pinned, streams
 
 
@@ -238,11 +240,28 @@ def resolve_microbatch(cfg: TrainConfig, device: str, world: int) -> TrainConfig
     return resolved
 
 
-def rank_decisions(ctx: RunContext) -> dict[str, str]:
-    """What this rank decided from its own GPU, and the GPU: gathered from every rank once they have joined
-    (check_ranks_agree)."""
+# Config keys that may differ between nodes: paths on each node's own disks.
+NODE_LOCAL_KEYS = frozenset({"data.cache_dir", "log.local_dir", "compile_cache_dir"})
+
+
+def rank_decisions(ctx: RunContext) -> dict[str, Any]:
+    """What this rank decided from its own GPU, the GPU, and the config it runs: gathered from every rank
+    once they have joined (check_ranks_agree)."""
     gpu = gpu_memory()[0] if ctx.device == "gpu" else "no GPU"
-    return {"gpu": gpu, "device_microbatch_size": str(ctx.cfg.device_microbatch_size)}
+    flat = {key: json.dumps(value) for key, value in flat_config(config_to_dict(ctx.cfg)).items()}
+    config = {key: value for key, value in flat.items() if key not in NODE_LOCAL_KEYS}
+    return {"gpu": gpu, "device_microbatch_size": str(ctx.cfg.device_microbatch_size), "config": config}
+
+
+def flat_config(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"optimizer": {"lr": 1e-4}} -> {"optimizer.lr": 1e-4} (the override keys)."""
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out |= flat_config(value, f"{prefix}{key}.")
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
 
 
 def rank_spans(ranks: list[int]) -> str:
@@ -256,15 +275,17 @@ def rank_spans(ranks: list[int]) -> str:
     return ", ".join(str(s[0]) if len(s) == 1 else f"{s[0]}-{s[-1]}" for s in spans)
 
 
-def check_ranks_agree(decisions: list[dict[str, str]]) -> None:
+def check_ranks_agree(decisions: list[dict[str, Any]]) -> None:
     """Refuse, on every rank alike, a run whose ranks sized their microbatch from different GPUs
     (device_microbatch_size=null on GPUs of unequal memory): with unequal microbatches the ranks would
     accumulate a different number of times a step, and under FSDP each microbatch's collectives would stop
-    pairing up (a hang, then a restart into the same hang)."""
+    pairing up (a hang, then a restart into the same hang). Then one whose ranks run different configs
+    (check_same_config)."""
     by_value: dict[str, list[int]] = {}
     for rank, decided in enumerate(decisions):
         by_value.setdefault(decided["device_microbatch_size"], []).append(rank)
     if len(by_value) < 2:
+        check_same_config([decided.get("config", {}) for decided in decisions])
         return
     gpus = {value: sorted({decisions[r]["gpu"] for r in ranks}) for value, ranks in by_value.items()}
     found = "; ".join(
@@ -277,6 +298,29 @@ def check_ranks_agree(decisions: list[dict[str, str]]) -> None:
         f"{found}. Set device_microbatch_size={smallest} (the smallest) so every rank runs the same "
         "microbatches, or run on GPUs of one type"
     )
+
+
+def check_same_config(configs: list[dict[str, str]]) -> None:
+    """Refuse a world whose ranks run different configs: the same command typed on each machine of a local
+    multi-node launch, one with another override (optimizer.lr=0.01), formed one world and trained each
+    rank on its own learning rate; both nodes exited 0."""
+    keys = sorted({key for config in configs for key in config})
+    differing = []
+    for key in keys:
+        by_value: dict[str, list[int]] = {}
+        for rank, config in enumerate(configs):
+            by_value.setdefault(config.get(key, "(unset)"), []).append(rank)
+        if len(by_value) > 1:
+            sides = "; ".join(f"{value} on ranks {rank_spans(ranks)}" for value, ranks in by_value.items())
+            differing.append(f"{key}: {sides}")
+    if differing:
+        shown = " | ".join(differing[:4]) + (
+            f" | and {len(differing) - 4} more" if len(differing) > 4 else ""
+        )
+        raise ConfigError(
+            f"the ranks of this run were started with different configs ({shown}): start every node with "
+            "the same config and overrides"
+        )
 
 
 def prepare_run(cfg: TrainConfig) -> RunContext:

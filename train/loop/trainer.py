@@ -9,12 +9,10 @@ load_path, or fresh).
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import shutil
 import tempfile
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -22,7 +20,6 @@ import torch
 import yaml
 
 from shared.config import config_to_dict
-from shared.presets import get_preset
 from shared.runtime.device import host_cpu_name
 from shared.storage.transfers import libraries_retry_like_us
 from train.checkpoints.files import (
@@ -31,14 +28,17 @@ from train.checkpoints.files import (
     poll_uploads_promptly,
 )
 from train.checkpoints.layouts import conform_optimizer_state
+from train.checkpoints.owner import claim_save_folder, release_if_held
+from train.checkpoints.retention import composer_keep
 from train.checkpoints.sharded import composer_loads_safely, fsdp_checkpoint_options
-from train.config import TrainConfig, time_count
-from train.data.buckets import compile_per_bucket, run_streams, sample_buckets
+from train.checkpoints.uploads import upload_patiently_from
+from train.config import TrainConfig
+from train.data.buckets import compile_per_bucket, run_streams
 from train.data.loader import build_dataloader
-from train.data.mix import mix_record
 from train.data.packing import packed_data_spec
 from train.data.recorded import CONFIG_FILENAME
-from train.loop.compiled import CompiledGraphsLog, composer_ddp
+from train.loop.callbacks import build_callbacks, build_loggers, dataset_leases, stream_callbacks
+from train.loop.compiled import composer_ddp
 from train.loop.cpu_fsdp import composer_fsdp_on_cpu
 from train.loop.prepare import RunContext, check_ranks_agree, prepare_run, rank_decisions
 from train.model.assemble import assemble_model, build_unet  # noqa: F401  (build_unet: re-exported for callers)
@@ -46,15 +46,13 @@ from train.model.compile_plan import use_compile
 from train.model.diffusion import DiffusionModel
 from train.model.kernels import fit_recompile_limit, use_gpu_kernel_settings
 from train.model.online_text import online_text_for
+from train.resilience.outage import wait_for_s3
 from train.resilience.signals import restores_signal_handlers
 
 if TYPE_CHECKING:
     from composer import Trainer
 
 log = logging.getLogger(__name__)
-
-METRICS_FILENAME = "metrics.jsonl"
-SAMPLES_DIRNAME = "samples"
 
 
 # ------------------------------------------------------------------------------------------ the model
@@ -69,27 +67,6 @@ def build_model(ctx: RunContext) -> DiffusionModel:
     buckets = {b for p in [s.pinned for s in ctx.streams] or [ctx.pinned] for b in p.buckets}
     compile_per_bucket(len(buckets), compiled)  # one static graph per bucket (train/data/buckets.py)
     return model
-
-
-def run_record(ctx: RunContext, model: DiffusionModel) -> dict[str, Any]:
-    """What every checkpoint remembers about data, model recipe and encoders (see RunRecord)."""
-    manifest = ctx.manifest
-    return {
-        "run_name": ctx.run_name,
-        # epoch_size decides the sample order of one dataset too (Streaming over- or under-samples to it)
-        "dataset": mix_record(ctx.cfg.data, ctx.streams)
-        if ctx.streams
-        else ctx.pinned.record() | {"epoch_size": ctx.cfg.data.epoch_size},
-        "preset": ctx.cfg.model.preset,
-        # JSON round trip: plain dicts/lists only, so the record never needs custom classes to unpickle.
-        "unet_config": json.loads(json.dumps(dict(model.unet.config), default=list)),
-        "model": config_to_dict(ctx.cfg.model),
-        "scale_factor": float(manifest.scale_factor),
-        "encoders": dict(manifest.fingerprints.get("encoders", {})),
-        "encoder_config": dict(manifest.config.get("encoder", {})),  # as encode resolved it (kept as is)
-        "encoder": manifest.identity.record(),  # what export and samples read (shared/encoders.py)
-        "eval": config_to_dict(ctx.cfg.eval),  # `train eval` evaluates a checkpoint as the run did
-    }
 
 
 # ---------------------------------------------------------------------------------------- the trainer
@@ -124,126 +101,6 @@ def build_algorithms(ctx: RunContext) -> list[Any]:
             build_ema(cfg.ema_smoothing_per_update(), cfg.ema.start, cfg.ema.update_interval, handoff=handoff)
         )
     return algorithms
-
-
-def build_callbacks(ctx: RunContext, model: DiffusionModel, saves: Any = None) -> list[Any]:
-    """`saves`: the CheckpointSaver's schedule (train/resilience/monitor.py), so the guard and the loss log
-    run before every save, the extra ones on a signal or the wall clock too; None: save_interval."""
-    from composer.callbacks import LRMonitor, RuntimeEstimator, SpeedMonitor
-
-    from train.checkpoints.record import RunRecord
-    from train.checkpoints.retention import CheckpointRetention
-    from train.export.samples import SampleRenderer
-    from train.loop.guards import NonFiniteGuard
-    from train.loop.metrics import ArtifactMirror
-    from train.loop.step import StepLossLog
-
-    cfg = ctx.cfg
-    callbacks: list[Any] = [
-        # Before Composer's CheckpointSaver (appended after these): NaN weights are never saved, and every
-        # step's loss is in metrics.jsonl before the checkpoint covering it is published.
-        NonFiniteGuard(cfg.log.console_interval, saves or cfg.save_interval),
-        StepLossLog(cfg.log.console_interval, saves or cfg.save_interval),
-        RunRecord(run_record(ctx, model), allow_dataset_change=cfg.data.allow_dataset_change),
-        *dataset_leases(ctx),
-        SpeedMonitor(window_size=cfg.log.speed_window),
-        LRMonitor(),
-        RuntimeEstimator(),
-    ]
-    if use_compile(cfg, ctx.device):
-        callbacks.append(CompiledGraphsLog())
-    if ctx.device == "gpu":
-        from train.loop.memory import IntervalMemoryMonitor
-
-        callbacks.append(IntervalMemoryMonitor(time_count(cfg.log.console_interval)))
-    if cfg.samples.enabled:
-        preset = get_preset(cfg.model.preset)
-        renderer = SampleRenderer(
-            cfg.samples,
-            cfg.model,
-            ctx.manifest.identity,
-            model.objective.empty_caption,
-            preset.latent_shape(cfg.data.resolution),
-            ctx.manifest.scale_factor,
-            os.path.join(ctx.local_dir, SAMPLES_DIRNAME),
-            sample_buckets([s.pinned for s in ctx.streams] or [ctx.pinned]),
-        )
-        renderer.preload()  # text tower, tokenizer and VAE now, not at the first render (samples.py)
-        callbacks.append(renderer)
-    if cfg.eval.uri:  # held-out loss (train/eval/): before the CheckpointSaver, like the samples
-        from train.eval.callback import build_heldout_eval
-
-        callbacks.append(build_heldout_eval(cfg, model.objective, ctx.manifest, ctx.local_dir))
-    saving = saves or cfg.save_interval  # what the CheckpointSaver saves on: stops and the clock too
-    if cfg.save_is_remote():
-        restore = (METRICS_FILENAME,)
-        callbacks.append(ArtifactMirror(ctx.local_dir, cfg.save_folder, saving, restore=restore))
-    if save_folder_keep(cfg) > 0:
-        callbacks.append(CheckpointRetention(cfg.save_folder, save_folder_keep(cfg), saving))
-    return callbacks
-
-
-def dataset_leases(ctx: RunContext) -> list[Any]:
-    """One lease per dataset the run reads, so `encode gc` keeps every pinned version."""
-    from train.data.lease import DatasetLease
-
-    if not ctx.streams:
-        return [DatasetLease(ctx.cfg.data.uri, ctx.manifest.version, ctx.run_name)]
-    return [DatasetLease(s.pinned.root, s.pinned.version, ctx.run_name) for s in ctx.streams]
-
-
-def stream_callbacks(ctx: RunContext, dataloader: Any, labels: list[Any], saves: Any = None) -> list[Any]:
-    """Sample counts per dataset of a data.streams mix and per bucket of bucketed data
-    (train/data/stream_counts.py); `labels`: one per Streaming stream (train/data/buckets.py)."""
-    from train.data.stream_counts import StreamSampleCounts
-
-    if not labels:
-        return []
-    cfg = ctx.cfg  # `saves`: the CheckpointSaver's schedule, so a save on a stop holds its step's counts
-    return [StreamSampleCounts(labels, dataloader, cfg.log.console_interval, cfg.save_interval, saves)]
-
-
-def save_folder_keep(cfg: TrainConfig) -> int:
-    """How many checkpoints CheckpointRetention keeps in save_folder (<= 0: it does not run)."""
-    if cfg.save_is_remote():
-        return cfg.save_num_remote_checkpoints_to_keep
-    return cfg.save_num_checkpoints_to_keep
-
-
-def composer_keep(cfg: TrainConfig) -> int:
-    """Composer's own pruning: of its local copies of an s3:// run; off (-1) for a local save folder, where
-    CheckpointRetention prunes by listing (Composer's pruning forgets earlier jobs, and its os.remove
-    would fail on a file retention already deleted)."""
-    if cfg.save_is_remote() or cfg.save_num_checkpoints_to_keep <= 0:
-        return cfg.save_num_checkpoints_to_keep
-    return -1
-
-
-def build_loggers(ctx: RunContext) -> list[Any]:
-    from composer.loggers import FileLogger
-
-    from train.loop.metrics import MetricsJSONL
-
-    cfg = ctx.cfg
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    loggers: list[Any] = [
-        # One log per start: a resumed run keeps the crashed attempt's log next to its own.
-        FileLogger(
-            filename=os.path.join(ctx.local_dir, "logs", f"train-{stamp}-rank{{rank}}.log"), overwrite=True
-        ),
-        MetricsJSONL(os.path.join(ctx.local_dir, METRICS_FILENAME)),
-    ]
-    if cfg.log.tensorboard:
-        from composer.loggers import TensorboardLogger
-
-        loggers.append(TensorboardLogger(log_dir=os.path.join(ctx.local_dir, "tensorboard")))
-    if cfg.log.wandb_project:
-        from composer.loggers import WandBLogger
-
-        loggers.append(
-            WandBLogger(project=cfg.log.wandb_project, entity=cfg.log.wandb_entity, name=ctx.run_name)
-        )
-    return loggers
 
 
 def parallelism_config(ctx: RunContext) -> dict[str, Any] | None:
@@ -291,12 +148,25 @@ def composer_names_the_cpu_in_process() -> None:
 
 
 def build_trainer(cfg: TrainConfig) -> Trainer:
+    """The Trainer of this run, once S3 answers (train/resilience/outage.py) and the save folder is this
+    run's (train/checkpoints/owner.py: released again if the build fails)."""
+    libraries_retry_like_us()  # Composer's uploader and Streaming's downloads: our S3 attempts (transfers.py)
+    composer_names_the_cpu_in_process()
+    wait_for_s3(cfg)  # a start during an S3 outage waits it out before it reads anything
+    owner = claim_save_folder(cfg.save_folder, cfg.resolved_run_name())
+    try:
+        return assemble_trainer(cfg, owner)
+    except BaseException:
+        release_if_held(owner)
+        raise
+
+
+def assemble_trainer(cfg: TrainConfig, owner: Any) -> Trainer:
     from train.loop.step import LeanTrainer
     from train.resilience.monitor import ResilienceMonitor, StopAfterSave
 
-    libraries_retry_like_us()  # Composer's uploader and Streaming's downloads: our S3 attempts (transfers.py)
-    composer_names_the_cpu_in_process()
     ctx = prepare_run(cfg)
+    leases = [lease.hold_now() for lease in dataset_leases(ctx)]  # pinned: gc keeps them from now on
     cfg = ctx.cfg  # fsdp decided for this run's ranks
     model = build_model(ctx)
     write_resolved_config(ctx)
@@ -315,14 +185,18 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
         ctx.batching.global_batch,
         cfg.data.download_timeout,
     )
+    world = ctx.batching.world_size
+    patience = cfg.resilience.shard_patience_s(world)  # a shard a step waits on sits out a short outage
     dataloader = build_dataloader(
-        cfg.data, ctx.pinned, ctx.batching.per_rank_batch, cfg.seed, streams, method
+        cfg.data, ctx.pinned, ctx.batching.per_rank_batch, cfg.seed, streams, method, patience
     )
     # Composer loads load_path inside Trainer(): safely (a checkpoint is data), in the format this run writes.
     checkpoint_format = cfg.resolved_checkpoint_format(ctx.batching.world_size)
     # First callback: decides at each step boundary whether to save / stop (train/resilience/monitor.py).
+    resilience = cfg.resilience
+    closing_s = resilience.outage_patience_s + resilience.hang_timeout_s
     monitor = ResilienceMonitor(
-        cfg.save_interval, cfg.save_interval_minutes, cfg.resilience.collective_timeout_s
+        cfg.save_interval, cfg.save_interval_minutes, resilience.collective_timeout_s, closing_s
     )
     with (
         composer_loads_safely(ctx.start.load_path, checkpoint_format) as load_path,
@@ -339,7 +213,8 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
             algorithms=build_algorithms(ctx),
             callbacks=[
                 monitor,
-                *build_callbacks(ctx, model, saves=monitor),
+                owner,
+                *build_callbacks(ctx, model, saves=monitor, leases=leases),
                 *stream_callbacks(ctx, dataloader, labels, saves=monitor),
             ],
             loggers=build_loggers(ctx),
@@ -353,7 +228,7 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
             save_filename=CHECKPOINT_FILENAME,
             save_latest_filename=LATEST_PATTERN,  # rank 0's is LATEST_NAME
             save_interval=monitor,
-            save_num_checkpoints_to_keep=composer_keep(cfg),
+            save_num_checkpoints_to_keep=composer_keep(cfg),  # the rest is CheckpointRetention's
             # After a crash the dead attempt may have written checkpoints past the one we resume from.
             save_overwrite=cfg.autoresume,
             autoresume=False,  # resolved by resolve_start (Composer's own mishandles s3:// save folders)
@@ -366,6 +241,8 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
             fsdp_no_sync=cfg.fsdp_no_sync,  # accumulation without per-microbatch collectives (step.py)
         )
     poll_uploads_promptly(trainer._checkpoint_saver)  # `latest` within a second of an upload
+    # s3:// save folders: an upload sits out an outage in the background (train/checkpoints/uploads.py)
+    upload_patiently_from(trainer._checkpoint_saver, cfg.resilience.outage_patience_s)
     # After the saver: progress.json and a stop name the checkpoint where it lives (s3:// too).
     trainer.state.callbacks.append(StopAfterSave(monitor, trainer._checkpoint_saver, cfg.save_folder))
     conform_optimizer_state(trainer.state.optimizers)  # AdamW moments loaded in another layout
@@ -388,10 +265,16 @@ def close_trainer(trainer: Trainer) -> None:
     save folder: Composer stages those checkpoints in a `tempfile.mkdtemp()` folder of its own and never
     removes it (composer/callbacks/checkpoint_saver.py), one per run and rank left in the temp folder; the
     uploader deletes each file once uploaded, so what is left then is empty folders."""
+    from train.resilience.monitor import ResilienceMonitor
+
     saver = getattr(trainer, "_checkpoint_saver", None)
     try:
         trainer.close()
     finally:
+        state = getattr(trainer, "state", None)
+        for callback in state.callbacks if state is not None else []:  # now a rank that stays is hung
+            if isinstance(callback, ResilienceMonitor):
+                callback.closed.set()
         if saver is not None and saver.remote_uploader is not None:
             staging = Path(saver.folder).resolve()
             temp = Path(tempfile.gettempdir()).resolve()

@@ -45,8 +45,9 @@ def record_exit(state: str, batch: int, message: str) -> None:
 
 
 def record_fatal(err: BaseException, state: str = "fatal") -> None:
-    """`state`: fatal, or finished (the run had reached max_duration: done if the launch restarted after a
-    crash at the run's end, shared/launch/supervisor.py final_code)."""
+    """`state`: fatal, finished (the run had reached max_duration: done if the launch restarted after a
+    crash at the run's end, shared/launch/supervisor.py final_code), or outage (S3 failed as in an outage:
+    the supervisor restarts without counting it a crash, once a step)."""
     record_exit(state, -1, f"{type(err).__name__}: {err}")
 
 

@@ -17,10 +17,12 @@ After the first step the collectives' timeout drops from Composer's 300 s (which
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
 import signal
+import threading
 import time
 from typing import Any
 
@@ -39,6 +41,10 @@ from train.resilience.signals import restore
 log = logging.getLogger(__name__)
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+# Until the trainer has closed (the last uploads, the last copies, Composer's closing barrier, which waits
+# for the slowest rank's), a finished rank's heartbeat is rewritten this often: the supervisor takes a
+# finished heartbeat older than hang_timeout_s for a teardown that never ends (a process group's destroy).
+CLOSING_BEAT_S = 10.0
 # A failure drill: "RANK:BATCH" SIGKILLs that global rank right after it completes that batch, every time the
 # run passes it (rehearse the restart and crash-loop paths on a real cluster; the tests use it too).
 FAULT_DRILL_ENV = "SD_FAULT_DRILL"
@@ -55,7 +61,16 @@ def fault_drill() -> tuple[int, int] | None:
 class ResilienceMonitor(Callback):
     """The step-boundary decision (see module doc); also the CheckpointSaver's save_interval."""
 
-    def __init__(self, save_interval: str, save_interval_minutes: float | None, collective_timeout_s: float):
+    def __init__(
+        self,
+        save_interval: str,
+        save_interval_minutes: float | None,
+        collective_timeout_s: float,
+        closing_s: float = 0.0,
+    ):
+        """`closing_s`: for how long at most the heartbeat says "closing" after training ended
+        (resilience.outage_patience_s, which each upload may wait, plus hang_timeout_s); past it, or
+        hang_timeout_s after the trainer closed, a rank that has not exited is a hang."""
         self.batch_due = create_interval_scheduler(save_interval, include_end_of_training=True)
         self.save_every_s = None if save_interval_minutes is None else save_interval_minutes * 60.0
         self.collective_timeout_s = collective_timeout_s
@@ -73,6 +88,8 @@ class ResilienceMonitor(Callback):
         self.flag_view = torch.from_numpy(self.flags)
         self.group: Any = None
         self.saved_handlers: dict[signal.Signals, Any] = {}
+        self.closing_s = closing_s
+        self.closed = threading.Event()  # set once the trainer has closed (train/loop/trainer.py)
 
     # ------------------------------------------------------------------------------------------ signals
     def fit_start(self, state: State, logger: Logger) -> None:
@@ -86,10 +103,21 @@ class ResilienceMonitor(Callback):
         self.group = flag_group()
 
     def fit_end(self, state: State, logger: Logger) -> None:
-        # Training is over: the close that follows (the last checkpoint's upload, Composer's barrier) may
-        # take longer than hang_timeout_s, and is not a hang.
-        if self.folder is not None:
-            control.write_heartbeat(self.folder, dist.get_global_rank(), int(state.timestamp.batch), True)
+        # Training is over: the last checkpoint's upload that follows may take longer than hang_timeout_s
+        # (an outage is waited out), and is not a hang; what comes after it (Composer's barrier, the process
+        # group's teardown) must end within hang_timeout_s.
+        self.finished(int(state.timestamp.batch))
+
+    def finished(self, batch: int) -> None:
+        """Say "training ended" in this rank's heartbeat, kept fresh until the trainer has closed (see
+        __init__)."""
+        if self.folder is None:
+            return
+        rank = dist.get_global_rank()
+        control.write_heartbeat(self.folder, rank, batch, finished=True)
+        if self.closing_s > 0:
+            args = (self.folder, rank, batch, self.closed, self.closing_s)
+            threading.Thread(target=beat_until_closed, args=args, daemon=True, name="closing-beat").start()
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         self.signalled = signal.Signals(signum).name
@@ -137,6 +165,10 @@ class StopAfterSave(Callback):
 
     def __init__(self, monitor: ResilienceMonitor, saver: Any, save_folder: str):
         self.monitor, self.saver, self.save_folder = monitor, saver, save_folder
+        # progress.json: the last save, and for an s3:// save folder the last one known to be there. A
+        # crash while a save uploads resumes from the one before (the supervisor had named the one saved).
+        self.progress: dict[str, Any] = {}
+        self.uploading = False
 
     def batch_checkpoint(self, state: State, logger: Logger) -> None:
         batch = int(state.timestamp.batch)
@@ -146,21 +178,53 @@ class StopAfterSave(Callback):
             sharded = state.fsdp_sharded_state_dict_enabled
             checkpoint = checkpoint_location(self.save_folder, int(state.timestamp.epoch), batch, sharded)
             self.monitor.last_save = time.monotonic()
-            folder = self.monitor.folder
-            if folder is not None and dist.get_local_rank() == 0:  # each node's supervisor reads its own
-                control.write_json(
-                    folder / control.PROGRESS_FILE, {"saved_batch": batch, "checkpoint": checkpoint}
-                )
+            self.progress.update(saved_batch=batch, checkpoint=checkpoint)
+            self.uploading = uploads_of(self.saver) is not None
+            self.write_progress()
+        elif self.uploading and uploads_done(self.saver):
+            self.uploading = False
+            self.write_progress()
         reason = self.monitor.stop_reason
         if reason is None or at_end(state):  # the last step: saved, and the run ends by itself
             return
         stop = ResumableStop(batch, reason, checkpoint)
-        if self.monitor.folder is not None:  # no more steps: the upload below is not a hang
-            control.write_heartbeat(self.monitor.folder, dist.get_global_rank(), batch, finished=True)
+        self.monitor.finished(batch)  # no more steps: the upload below is not a hang
         finish_uploads(self.saver, state, logger)
         if dist.get_local_rank() == 0:
             record_exit("resumable", batch, str(stop))
         raise stop
+
+    def write_progress(self) -> None:
+        """progress.json for this node's supervisor (local rank 0 of each node)."""
+        folder = self.monitor.folder
+        if folder is None or dist.get_local_rank() != 0:
+            return
+        if not self.uploading and uploads_of(self.saver) is not None:
+            self.progress.update(uploaded_batch=self.progress["saved_batch"])
+            self.progress.update(uploaded_checkpoint=self.progress["checkpoint"])
+        control.write_json(folder / control.PROGRESS_FILE, self.progress)
+
+
+def beat_until_closed(folder: Any, rank: int, batch: int, closed: threading.Event, limit_s: float) -> None:
+    """Rewrite the finished heartbeat every CLOSING_BEAT_S until `closed` is set, for at most `limit_s` (a
+    thread of the closing rank; the control folder may be gone once the supervisor ends)."""
+    ends = time.monotonic() + limit_s
+    while not closed.wait(CLOSING_BEAT_S) and time.monotonic() < ends:
+        with contextlib.suppress(OSError):
+            control.write_heartbeat(folder, rank, batch, finished=True)
+
+
+def uploads_of(saver: Any) -> Any:
+    """The CheckpointSaver's uploader (an s3:// save folder), or None."""
+    return getattr(saver, "remote_uploader", None)
+
+
+def uploads_done(saver: Any) -> bool:
+    """Whether this rank's checkpoint files and the `latest` pointer of its saves are all in S3: Composer's
+    uploader drops each finished upload at BATCH_END (this runs at BATCH_CHECKPOINT, after it), and the
+    pointer's upload waits in symlink_upload_tasks until the files are there."""
+    uploader = uploads_of(saver)
+    return uploader is None or (not uploader.futures and not getattr(saver, "symlink_upload_tasks", []))
 
 
 def finish_uploads(saver: Any, state: State, logger: Logger) -> None:

@@ -85,7 +85,7 @@ RESOLUTION = 64
 
 # ------------------------------------------------------------------------------------- the 2-rank run
 def run_record(unet: nn.Module) -> dict[str, Any]:
-    """What train.loop.trainer.run_record stores, for the tiny preset (export rebuilds the encoders from
+    """What train.loop.callbacks.run_record stores, for the tiny preset (export rebuilds the encoders from
     it)."""
     return {
         "run_name": "ckpt",

@@ -128,3 +128,48 @@ def test_stale_registration_of_our_folder_is_removed(tmp_path: Path) -> None:
     # that job's registration, not ours.
     again = read_shm(_get_path(prefix, LOCALS))
     assert again is None or local not in _unpack_locals(again)[0]
+
+
+def test_two_live_runs_on_one_hosts_data_each_get_their_own_default_cache(
+    tiny_dataset: str, tmp_path: Path
+) -> None:
+    """A sweep on one host's data: the second run was refused ('another process is streaming through ...')
+    until given a data.cache_dir of its own. In the default root each run (by save folder) has its own."""
+    from train.config import DataConfig
+    from train.data.loader import pin_version, read_dataset_manifest
+
+    cfg = DataConfig(uri=tiny_dataset, resolution=64)  # data.cache_dir unset: the default root
+    run_a = str(tmp_path / "run-a")
+    pin_a = (  # holds its cache folder until its stdin closes, then exits as a run does
+        "import sys; from train.config import DataConfig; "
+        "from train.data.loader import pin_version, read_dataset_manifest; "
+        f"cfg = DataConfig(uri={tiny_dataset!r}, resolution=64); "
+        f"print(pin_version(cfg, read_dataset_manifest(cfg), {run_a!r}).local, flush=True); sys.stdin.read()"
+    )
+    holder = subprocess.Popen(
+        [sys.executable, "-c", pin_a], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        held = holder.stdout.readline().strip()  # type: ignore[union-attr]
+        assert held, "the other run never pinned its data"
+        mine = pin_version(cfg, read_dataset_manifest(cfg), str(tmp_path / "run-b"))  # not refused
+        assert mine.local != held and Path(mine.local).parent == Path(held).parent
+    finally:
+        holder.stdin.close()  # type: ignore[union-attr]
+        holder.wait(timeout=60)
+
+
+def test_a_finished_run_removes_its_own_default_cache(tiny_dataset: str, tmp_path: Path) -> None:
+    """Each run of a host's data has its own copy of the shards in the default root: a finished run's went
+    with it (nothing else removes it; a stopped or crashed run keeps its copy for the resume)."""
+    from tests.train.conftest import single_threaded_torch, tiny_config
+    from train.data.loader import cache_dir_for, read_dataset_manifest
+    from train.loop.trainer import fit
+
+    save = tmp_path / "save"
+    cfg = tiny_config(tiny_dataset, save, "", "max_duration=2ba", "samples.enabled=false")
+    version = read_dataset_manifest(cfg.data).version
+    folder = Path(cache_dir_for("", tiny_dataset, version, 64, str(save)))
+    with single_threaded_torch():
+        fit(cfg)
+    assert folder.name.startswith("run-") and not folder.exists() and folder.parent.exists()

@@ -35,6 +35,7 @@ def test_lease_is_refreshed_at_most_once_per_period_and_released(tmp_path: Path)
     clock.now += 100  # 300 s since the first write
     callback.batch_end(None, None)  # type: ignore[arg-type]
     callback.batch_end(None, None)  # type: ignore[arg-type]
+    callback.wait_for_refresh()  # refreshes are written by a background thread
     assert callback.writes == 2
     assert leases.list_leases(str(tmp_path))[0][0].expires == clock.now + 1800
     callback.fit_end(None, None)  # type: ignore[arg-type]
@@ -70,3 +71,45 @@ def test_a_tiny_run_writes_its_lease_and_removes_it(
         (version, cfg.resolved_run_name())
     ]
     assert leases.list_leases(str(data)) == ([], {}), "the lease outlived the run"
+
+
+def test_the_leases_are_held_from_the_pin_on_and_the_held_out_set_has_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The training data's lease was first written at FIT_START, after the model build and the checkpoint
+    load (minutes for SD2-base from S3): `encode gc` deleted the pinned version meanwhile, and the run then
+    failed on its missing shards. The held-out set (eval.uri, read at the first eval, hours in) had no
+    lease at all: a re-encode and gc killed the run there (exit 2)."""
+    from tests.train.conftest import write_fake_dataset
+    from train.loop import trainer as trainer_module
+    from train.loop.trainer import fit
+
+    data, heldout = tmp_path / "data", tmp_path / "heldout"
+    write_fake_dataset(data, n=16)
+    write_fake_dataset(heldout, n=8, seed=5, salt="held-out")
+    held_at_build: list[list[str]] = []
+    real_build = trainer_module.build_model
+
+    def build_and_look(ctx: object) -> object:
+        held_at_build.append([lease.version for lease in leases.list_leases(str(data))[0]])
+        return real_build(ctx)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(trainer_module, "build_model", build_and_look)
+    held_in_training: list[list[str]] = []
+    real_write = lease_module.write_lease
+
+    def write_and_look(*args: object, **kwargs: object) -> leases.Lease:
+        written = real_write(*args, **kwargs)  # type: ignore[arg-type]
+        held_in_training.append([lease.version for lease in leases.list_leases(str(heldout))[0]])
+        return written
+
+    monkeypatch.setattr(lease_module, "write_lease", write_and_look)
+    cfg = tiny_config(
+        str(data), tmp_path / "save", tmp_path / "cache", "max_duration=2ba", "samples.enabled=false",
+        f"eval.uri={heldout}", "eval.num_samples=4", "eval.timesteps=[500]", "eval.interval=2ba",
+    )  # fmt: skip
+    with single_threaded_torch():
+        fit(cfg)
+    assert held_at_build == [["v1"]], "no lease while the model was built"
+    assert ["v1"] in held_in_training, "the held-out set was never leased"
+    assert leases.list_leases(str(heldout)) == ([], {}), "the held-out set's lease outlived the run"

@@ -1,0 +1,182 @@
+"""One live run per save folder: rank 0 claims the folder at its start and keeps the claim while it trains.
+
+Rerunning a live run's command (from another terminal, by a user who did not notice it was still running)
+was refused only by the Streaming cache lock, whose message told the user to give the run its own
+data.cache_dir; doing so resumed from the live run's latest checkpoint beside it: both exited 0 having
+overwritten each other's checkpoints, `latest` and train_config.yaml, and metrics.jsonl held 47 of its 107
+lines twice. With an s3:// save folder and a second host nothing refused at all.
+
+The claim is `<save_folder>/.run-owner.json` (local or s3://): host, pid and process start, the launch,
+when it was written. A run may take the folder when there is no claim; when the claim is its own launch's
+(a restart by the supervisor, torchrun's elastic agent or a Slurm requeue: the same launch id); when the
+claiming process is gone (same host: its pid and start time); or when the claim has not been renewed for
+OWNER_TTL_S (another host: it renews every OWNER_REFRESH_S while it trains). Otherwise the run stops before
+it reads a checkpoint, naming the claimant and how to go on. Released at close. Two runs starting at the
+same instant both write; each reads the claim back after a moment, and the one whose claim did not stay
+stops.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from composer.core import Callback, State
+from composer.loggers import Logger
+from composer.utils import dist
+
+from shared import storage
+from shared.launch import control
+from shared.runtime.background import CLOSE_WAIT_S, BackgroundJob
+
+log = logging.getLogger(__name__)
+
+OWNER_FILENAME = ".run-owner.json"
+OWNER_REFRESH_S = 120.0
+OWNER_TTL_S = 600.0  # five renewals: a few slow or failed writes (an S3 hiccup) never lapse a live claim
+SETTLE_S = 0.5  # before reading a fresh claim back: another run's write at the same instant lands by then
+
+
+class SaveFolderInUseError(RuntimeError):
+    """Another live run trains into this save folder; the message names it and the ways on."""
+
+
+@dataclass(frozen=True)
+class Claim:
+    host: str
+    pid: int
+    start: int  # the process's start (clock ticks since boot, shared/launch/control.py process_start)
+    launch: str  # what stays the same across restarts of one launch ("" without one)
+    run_name: str
+    written: float  # unix seconds
+
+    def same_owner(self, other: Claim) -> bool:
+        return (self.host, self.pid, self.start) == (other.host, other.pid, other.start)
+
+
+def launch_id() -> str:
+    """The id restarts of this launch share: the Slurm job (a requeue keeps it), torchrun's rendezvous id on
+    several nodes (the launcher's --rdzv-id: every node and every elastic restart), the supervisor's control
+    folder on one (each restart runs a new torchrun, whose own id is new each time); "" otherwise."""
+    if job := os.environ.get("SLURM_JOB_ID"):
+        return f"slurm:{job}"
+    if int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1 and (rdzv := os.environ.get("TORCHELASTIC_RUN_ID")):
+        return f"rdzv:{rdzv}"
+    if folder := control.control_dir():
+        return f"supervisor:{socket.gethostname()}:{folder}"
+    return ""
+
+
+def this_claim(run_name: str) -> Claim:
+    pid = os.getpid()
+    return Claim(
+        socket.gethostname(), pid, control.process_start(pid) or 0, launch_id(), run_name, time.time()
+    )
+
+
+def read_claim(save_folder: str) -> Claim | None:
+    try:
+        raw = storage.read_json(storage.join(save_folder, OWNER_FILENAME))
+        return Claim(**{name: raw[name] for name in Claim.__dataclass_fields__})
+    except FileNotFoundError:
+        return None
+    except (ValueError, KeyError, TypeError):  # damaged or written by something else: not a live claim
+        return None
+
+
+def why_taken(claim: Claim, mine: Claim, now: float) -> str | None:
+    """Why `claim` keeps this run out of the folder, or None when this run may take it."""
+    if claim.same_owner(mine) or (claim.launch and claim.launch == mine.launch):
+        return None
+    if claim.host == mine.host:
+        alive = claim.start and control.process_start(claim.pid) == claim.start  # not a reused pid
+        return f"pid {claim.pid} on this host" if alive else None
+    if now - claim.written > OWNER_TTL_S:
+        return None
+    ago = now - claim.written
+    return f"a process on host {claim.host} (pid {claim.pid}), which renewed its claim {ago:.0f} s ago"
+
+
+def claim_save_folder(save_folder: str, run_name: str, settle_s: float = SETTLE_S) -> SaveFolderOwner:
+    """Rank 0 claims `save_folder` for this run (see module doc); the callback that keeps and releases it."""
+    owner = SaveFolderOwner(save_folder, run_name)
+    if dist.get_global_rank() == 0:
+        owner.take(settle_s)
+    return owner
+
+
+class SaveFolderOwner(Callback):
+    """Holds this run's claim: renewed every OWNER_REFRESH_S at a step's end (in the background), released
+    after the trainer closed."""
+
+    def __init__(self, save_folder: str, run_name: str):
+        self.save_folder, self.run_name = save_folder, run_name
+        self.uri = storage.join(save_folder, OWNER_FILENAME)
+        self.mine: Claim | None = None
+        self.next_renewal = 0.0
+        self.renewing = BackgroundJob("renewing the save folder's claim")
+
+    def take(self, settle_s: float) -> None:
+        mine = this_claim(self.run_name)
+        claim = read_claim(self.save_folder)
+        taken = None if claim is None else why_taken(claim, mine, time.time())
+        if claim is not None and taken is not None:
+            raise SaveFolderInUseError(
+                f"another run ({claim.run_name}) is training into save_folder {self.save_folder}: {taken}. "
+                "Wait for it to end or stop it; to train beside it, give this run its own save_folder=. A "
+                f"claim whose run is gone lapses {OWNER_TTL_S:.0f} s after its last renewal (or remove "
+                f"{self.uri})"
+            )
+        self.write(mine)
+        time.sleep(settle_s)
+        back = read_claim(self.save_folder)
+        if back is None or not back.same_owner(mine):
+            other = "another run" if back is None else f"{back.run_name} (host {back.host}, pid {back.pid})"
+            raise SaveFolderInUseError(
+                f"{other} started into save_folder {self.save_folder} at the same time as this one: stop one "
+                "of them, or give each its own save_folder="
+            )
+        self.mine = mine
+        self.next_renewal = time.monotonic() + OWNER_REFRESH_S
+
+    def write(self, claim: Claim) -> None:
+        storage.write_json(self.uri, asdict(claim))
+
+    def renew(self) -> None:
+        if self.mine is None:
+            return
+        try:
+            self.write(Claim(**{**asdict(self.mine), "written": time.time()}))
+        except OSError as err:  # an S3 hiccup: the claim lasts OWNER_TTL_S, the next renewal comes first
+            log.warning("could not renew the claim on %s (trying again later): %s", self.save_folder, err)
+
+    def batch_end(self, state: State, logger: Logger) -> None:
+        if self.mine is not None and time.monotonic() >= self.next_renewal and not self.renewing.busy():
+            self.next_renewal = time.monotonic() + OWNER_REFRESH_S
+            self.renewing.start(self.renew)
+
+    def release(self) -> None:
+        """Remove the claim if it is still this run's (a run that took over a lapsed claim keeps its own)."""
+        mine, self.mine = self.mine, None
+        if mine is None:
+            return
+        claim = read_claim(self.save_folder)
+        if claim is not None and claim.same_owner(mine):
+            storage.delete(self.uri)
+
+    def post_close(self) -> None:
+        if self.mine is not None and not self.renewing.last(self.release, timeout_s=CLOSE_WAIT_S):
+            log.warning("could not release the claim on %s at close; it lapses by itself", self.save_folder)
+
+
+def release_if_held(owner: Any) -> None:
+    """Release `owner`'s claim now (a build that failed before the trainer existed)."""
+    if isinstance(owner, SaveFolderOwner) and owner.mine is not None:
+        try:
+            owner.release()
+        except OSError as err:
+            log.warning("could not release the claim on %s: %s", owner.save_folder, err)
