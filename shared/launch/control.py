@@ -92,7 +92,7 @@ def owner_is_gone(folder: Path) -> bool:
         pid, start = (int(part) for part in (folder / OWNER_FILE).read_text().split())
     except (OSError, ValueError):
         return False
-    return process_start(pid) != start
+    return not is_running(pid, start)
 
 
 def write_heartbeat(folder: Path, rank: int, batch: int, finished: bool = False) -> None:
@@ -107,6 +107,13 @@ def proc_stat(pid: int) -> list[str] | None:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
         return None
+
+
+def is_running(pid: int, start: int) -> bool:
+    """Whether the process `pid` that started at `start` still runs: not gone, not a zombie waiting for its
+    parent (a SIGKILLed rank before torchrun reaps it), not another process that reused the pid."""
+    stat = proc_stat(pid)
+    return bool(start) and stat is not None and stat[0] not in ("Z", "X") and int(stat[19]) == start
 
 
 def process_start(pid: int) -> int | None:

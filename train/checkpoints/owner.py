@@ -93,8 +93,7 @@ def why_taken(claim: Claim, mine: Claim, now: float) -> str | None:
     if claim.same_owner(mine) or (claim.launch and claim.launch == mine.launch):
         return None
     if claim.host == mine.host:
-        alive = claim.start and control.process_start(claim.pid) == claim.start  # not a reused pid
-        return f"pid {claim.pid} on this host" if alive else None
+        return f"pid {claim.pid} on this host" if control.is_running(claim.pid, claim.start) else None
     if now - claim.written > OWNER_TTL_S:
         return None
     ago = now - claim.written

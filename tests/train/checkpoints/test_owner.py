@@ -44,6 +44,11 @@ def test_who_may_take_a_claimed_folder() -> None:
         assert why_taken(live_claim, mine, now) == f"pid {live.pid} on this host"
         assert why_taken(replace(live_claim, start=live_claim.start + 1), mine, now) is None  # a reused pid
         assert why_taken(replace(live_claim, pid=done.pid), mine, now) is None  # gone
+        zombie = subprocess.Popen(["true"])  # exited, not reaped: a SIGKILLed rank torchrun has not reaped
+        time.sleep(0.5)
+        zombie_claim = replace(live_claim, pid=zombie.pid, start=control.process_start(zombie.pid) or 0)
+        assert why_taken(zombie_claim, mine, now) is None
+        zombie.wait()
         assert why_taken(mine, mine, now) is None  # this process (a second fit in one process)
         restart = replace(live_claim, launch="slurm:123")
         assert why_taken(restart, replace(mine, launch="slurm:123"), now) is None  # a requeue of the job
