@@ -72,7 +72,7 @@ def owner_is_gone(name: str, age_s: float) -> bool:
     host, pid, start = owner
     if host != fingerprint(socket.gethostname())[:6]:
         return age_s > STALE_STAGING_S
-    return not pid.isdigit() or str(control.process_start(int(pid)) or 0) != start
+    return not (pid.isdigit() and start.isdigit() and control.is_running(int(pid), int(start)))
 
 
 def remove_stale_staging(layout: Layout, partition_ids: list[str]) -> None:

@@ -37,7 +37,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shared.launch import control
-from shared.launch.control import CONTROL_PREFIX as CONTROL_PREFIX  # where the tests look
 from shared.launch.ranks import (
     Generations,
     alive,

@@ -23,7 +23,6 @@ import os
 import socket
 import time
 from dataclasses import asdict, dataclass
-from typing import Any
 
 from composer.core import Callback, State
 from composer.loggers import Logger
@@ -100,9 +99,12 @@ def why_taken(claim: Claim, mine: Claim, now: float) -> str | None:
     return f"a process on host {claim.host} (pid {claim.pid}), which renewed its claim {ago:.0f} s ago"
 
 
-def claim_save_folder(save_folder: str, run_name: str, settle_s: float = SETTLE_S) -> SaveFolderOwner:
-    """Rank 0 claims `save_folder` for this run (see module doc); the callback that keeps and releases it."""
-    owner = SaveFolderOwner(save_folder, run_name)
+def claim_save_folder(
+    save_folder: str, run_name: str, close_wait_s: float = CLOSE_WAIT_S, settle_s: float = SETTLE_S
+) -> SaveFolderOwner:
+    """Rank 0 claims `save_folder` for this run (see module doc); the callback that keeps and releases it
+    (`close_wait_s`: what the release gets at close)."""
+    owner = SaveFolderOwner(save_folder, run_name, close_wait_s)
     if dist.get_global_rank() == 0:
         owner.take(settle_s)
     return owner
@@ -112,8 +114,8 @@ class SaveFolderOwner(Callback):
     """Holds this run's claim: renewed every OWNER_REFRESH_S at a step's end (in the background), released
     after the trainer closed."""
 
-    def __init__(self, save_folder: str, run_name: str):
-        self.save_folder, self.run_name = save_folder, run_name
+    def __init__(self, save_folder: str, run_name: str, close_wait_s: float = CLOSE_WAIT_S):
+        self.save_folder, self.run_name, self.close_wait_s = save_folder, run_name, close_wait_s
         self.uri = storage.join(save_folder, OWNER_FILENAME)
         self.mine: Claim | None = None
         self.next_renewal = 0.0
@@ -168,14 +170,12 @@ class SaveFolderOwner(Callback):
             storage.delete(self.uri)
 
     def post_close(self) -> None:
-        if self.mine is not None and not self.renewing.last(self.release, timeout_s=CLOSE_WAIT_S):
+        if self.mine is not None and not self.renewing.last(self.release, timeout_s=self.close_wait_s):
             log.warning("could not release the claim on %s at close; it lapses by itself", self.save_folder)
 
-
-def release_if_held(owner: Any) -> None:
-    """Release `owner`'s claim now (a build that failed before the trainer existed)."""
-    if isinstance(owner, SaveFolderOwner) and owner.mine is not None:
+    def release_now(self) -> None:
+        """Release the claim at once (a build that failed before the trainer, and so its close, existed)."""
         try:
-            owner.release()
+            self.release()
         except OSError as err:
-            log.warning("could not release the claim on %s: %s", owner.save_folder, err)
+            log.warning("could not release the claim on %s: %s", self.save_folder, err)

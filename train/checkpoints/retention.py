@@ -60,7 +60,7 @@ class CheckpointRetention(Callback):
     BATCH_CHECKPOINT after every batch), in a background thread so a slow listing never holds up a
     step (shared/runtime/background.py); a final pass runs after the trainer closed, when every upload and
     the final `latest` are written (Composer's uploader finishes at fit end, after the callbacks of that
-    event, hence `post_close`), waited for at most a minute. See checkpoints_to_delete for what may go.
+    event, hence `post_close`), waited for at most `close_wait_s`. See checkpoints_to_delete for what may go.
     """
 
     def __init__(self, save_folder: str, keep: int, interval: Any, close_wait_s: float = CLOSE_WAIT_S):

@@ -180,6 +180,11 @@ class ResilienceConfig:
     def max_wall_time_s(self) -> float | None:
         return None if self.max_wall_time is None else wall_time_seconds(self.max_wall_time, "max_wall_time")
 
+    def closing_s(self) -> float:
+        """For how long at most a rank that ended training says it is still closing (its last uploads may
+        each wait out an outage); then it has hang_timeout_s to exit (train/resilience/monitor.py)."""
+        return self.outage_patience_s + self.hang_timeout_s
+
     def close_wait_s(self) -> float:
         """What a closing run gives each best-effort S3 task (the run folder's last copy, the last prune, the
         lease's release): never more than the outage patience (shared/runtime/background.py)."""

@@ -67,10 +67,6 @@ class DatasetLease(Callback):
             self.next_write = self.clock() + self.refresh_s  # no second refresh started behind this one
             self.refreshing.start(self._write)
 
-    def wait_for_refresh(self) -> bool:
-        """Until a refresh in flight is written or has failed (at most a close's wait); whether it ended."""
-        return self.refreshing.finish(self.close_wait_s)
-
     def fit_end(self, state: State, logger: Logger) -> None:
         # In the background too, waited for at most a close's wait: else it expires by itself.
         self.refreshing.last(self._release, timeout_s=self.close_wait_s)

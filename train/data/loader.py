@@ -96,6 +96,9 @@ class PinnedData:
         return out
 
 
+RUN_CACHE_PREFIX = "run-"  # a training run's own folder in the default cache root (cache_dir_for)
+
+
 def default_cache_root() -> str:
     """`<tmp>/sd-pretrain-streaming-<uid>`, private to this user: a computable path in the shared temp dir
     must not let another user plant shards we would train on."""
@@ -112,7 +115,11 @@ def cache_dir_for(cache_root: str, root: str, version: str, resolution: int, run
     folder = os.path.join(
         cache_root or default_cache_root(), fingerprint(root.rstrip("/")), version, str(resolution)
     )
-    return os.path.join(folder, f"run-{fingerprint(run_key)}") if run_key and not cache_root else folder
+    return (
+        os.path.join(folder, RUN_CACHE_PREFIX + fingerprint(run_key))
+        if run_key and not cache_root
+        else folder
+    )
 
 
 def read_dataset_manifest(cfg: DataConfig) -> DatasetManifest:

@@ -54,8 +54,8 @@ class PatientStream(Stream):
     """A Streaming stream whose file downloads wait out an S3 outage for `download_patience_s` (each one
     after Streaming's own three tries; shared/storage/outage.py). The step that needs the shard waits
     meanwhile, and so do the other ranks, in their next collective: the patience stays under the
-    collective timeout (train/config/job.py `shard_patience_s`), and a longer outage fails the ranks, which
-    restart and wait for S3 before they read anything (train/resilience/outage.py)."""
+    collective timeout (train/config/sections.py ResilienceConfig.shard_patience_s), and a longer outage
+    fails the ranks, which restart and wait for S3 before they read anything (train/resilience/outage.py)."""
 
     download_patience_s: float = 0.0
 

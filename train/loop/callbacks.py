@@ -18,6 +18,7 @@ from shared.config import config_to_dict
 from shared.presets import get_preset
 from train.config import time_count
 from train.data.buckets import sample_buckets
+from train.data.loader import RUN_CACHE_PREFIX
 from train.data.mix import mix_record
 from train.loop.compiled import CompiledGraphsLog
 from train.loop.prepare import RunContext
@@ -50,11 +51,11 @@ def run_record(ctx: RunContext, model: DiffusionModel) -> dict[str, Any]:
 
 
 def build_callbacks(
-    ctx: RunContext, model: DiffusionModel, saves: Any = None, leases: list[Any] | None = None
+    ctx: RunContext, model: DiffusionModel, leases: list[Any], saves: Any = None
 ) -> list[Any]:
-    """`saves`: the CheckpointSaver's schedule (train/resilience/monitor.py), so the guard and the loss log
-    run before every save, the extra ones on a signal or the wall clock too; None: save_interval. `leases`:
-    the dataset leases the run already holds (dataset_leases; None: made here)."""
+    """`leases`: the dataset leases the run already holds (dataset_leases). `saves`: the CheckpointSaver's
+    schedule (train/resilience/monitor.py), so the guard and the loss log run before every save, the extra
+    ones on a signal or the wall clock too; None: save_interval."""
     from composer.callbacks import LRMonitor, RuntimeEstimator, SpeedMonitor
 
     from train.checkpoints.record import RunRecord
@@ -66,13 +67,14 @@ def build_callbacks(
     from train.loop.step import StepLossLog
 
     cfg = ctx.cfg
+    wait = cfg.resilience.close_wait_s()  # what each best-effort S3 task gets at close
     callbacks: list[Any] = [
         # Before Composer's CheckpointSaver (appended after these): NaN weights are never saved, and every
         # step's loss is in metrics.jsonl before the checkpoint covering it is published.
         NonFiniteGuard(cfg.log.console_interval, saves or cfg.save_interval),
         StepLossLog(cfg.log.console_interval, saves or cfg.save_interval),
         RunRecord(run_record(ctx, model), allow_dataset_change=cfg.data.allow_dataset_change),
-        *(dataset_leases(ctx) if leases is None else leases),
+        *leases,
         SpeedMonitor(window_size=cfg.log.speed_window),
         LRMonitor(),
         RuntimeEstimator(),
@@ -103,14 +105,12 @@ def build_callbacks(
         heldout = build_heldout_eval(cfg, model.objective, ctx.manifest, ctx.local_dir)
         # Its rows are read at the first eval, hours in: gc must keep the version pinned now until then.
         pinned = heldout.pinned
-        wait = cfg.resilience.close_wait_s()
         callbacks += [
             heldout,
             DatasetLease(pinned.root, pinned.version, ctx.run_name, close_wait_s=wait).hold_now(),
         ]
     callbacks.append(RunCacheRelease([s.pinned.local for s in ctx.streams] or [ctx.pinned.local]))
     saving = saves or cfg.save_interval  # what the CheckpointSaver saves on: stops and the clock too
-    wait = cfg.resilience.close_wait_s()
     if cfg.save_is_remote():
         callbacks.append(ArtifactMirror(ctx.local_dir, cfg.save_folder, saving, (METRICS_FILENAME,), wait))
     if save_folder_keep(cfg) > 0:
@@ -125,7 +125,7 @@ class RunCacheRelease(Callback):
     its resume (FIT_END never came)."""
 
     def __init__(self, folders: list[str]):
-        self.folders = [f for f in folders if os.path.basename(f.rstrip("/")).startswith("run-")]
+        self.folders = [f for f in folders if os.path.basename(f.rstrip("/")).startswith(RUN_CACHE_PREFIX)]
         self.finished = False
 
     def fit_end(self, state: State, logger: Logger) -> None:

@@ -28,7 +28,7 @@ from train.checkpoints.files import (
     poll_uploads_promptly,
 )
 from train.checkpoints.layouts import conform_optimizer_state
-from train.checkpoints.owner import claim_save_folder, release_if_held
+from train.checkpoints.owner import SaveFolderOwner, claim_save_folder
 from train.checkpoints.retention import composer_keep
 from train.checkpoints.sharded import composer_loads_safely, fsdp_checkpoint_options
 from train.checkpoints.uploads import upload_patiently_from
@@ -153,15 +153,15 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
     libraries_retry_like_us()  # Composer's uploader and Streaming's downloads: our S3 attempts (transfers.py)
     composer_names_the_cpu_in_process()
     wait_for_s3(cfg)  # a start during an S3 outage waits it out before it reads anything
-    owner = claim_save_folder(cfg.save_folder, cfg.resolved_run_name())
+    owner = claim_save_folder(cfg.save_folder, cfg.resolved_run_name(), cfg.resilience.close_wait_s())
     try:
         return assemble_trainer(cfg, owner)
     except BaseException:
-        release_if_held(owner)
+        owner.release_now()
         raise
 
 
-def assemble_trainer(cfg: TrainConfig, owner: Any) -> Trainer:
+def assemble_trainer(cfg: TrainConfig, owner: SaveFolderOwner) -> Trainer:
     from train.loop.step import LeanTrainer
     from train.resilience.monitor import ResilienceMonitor, StopAfterSave
 
@@ -194,9 +194,8 @@ def assemble_trainer(cfg: TrainConfig, owner: Any) -> Trainer:
     checkpoint_format = cfg.resolved_checkpoint_format(ctx.batching.world_size)
     # First callback: decides at each step boundary whether to save / stop (train/resilience/monitor.py).
     resilience = cfg.resilience
-    closing_s = resilience.outage_patience_s + resilience.hang_timeout_s
     monitor = ResilienceMonitor(
-        cfg.save_interval, cfg.save_interval_minutes, resilience.collective_timeout_s, closing_s
+        cfg.save_interval, cfg.save_interval_minutes, resilience.collective_timeout_s, resilience.closing_s()
     )
     with (
         composer_loads_safely(ctx.start.load_path, checkpoint_format) as load_path,
@@ -214,7 +213,7 @@ def assemble_trainer(cfg: TrainConfig, owner: Any) -> Trainer:
             callbacks=[
                 monitor,
                 owner,
-                *build_callbacks(ctx, model, saves=monitor, leases=leases),
+                *build_callbacks(ctx, model, leases, saves=monitor),
                 *stream_callbacks(ctx, dataloader, labels, saves=monitor),
             ],
             loggers=build_loggers(ctx),

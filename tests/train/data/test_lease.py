@@ -35,7 +35,7 @@ def test_lease_is_refreshed_at_most_once_per_period_and_released(tmp_path: Path)
     clock.now += 100  # 300 s since the first write
     callback.batch_end(None, None)  # type: ignore[arg-type]
     callback.batch_end(None, None)  # type: ignore[arg-type]
-    callback.wait_for_refresh()  # refreshes are written by a background thread
+    callback.refreshing.finish()  # refreshes are written by a background thread
     assert callback.writes == 2
     assert leases.list_leases(str(tmp_path))[0][0].expires == clock.now + 1800
     callback.fit_end(None, None)  # type: ignore[arg-type]

@@ -36,7 +36,8 @@ import pytest
 
 from shared import storage
 from shared.launch import control
-from shared.launch.supervisor import CONTROL_PREFIX, alive, descendants
+from shared.launch.control import CONTROL_PREFIX
+from shared.launch.supervisor import alive, descendants
 from tests.leftovers import RUN_KEEPS, private_shm_works, processes_naming, short_folder
 from tests.train.checkpoints.test_resume_ranks import assert_same_weights
 from tests.train.conftest import REPO_ROOT

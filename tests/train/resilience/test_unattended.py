@@ -29,8 +29,8 @@ from typing import Any
 import pytest
 
 from shared.launch import control
+from shared.launch.control import CONTROL_PREFIX
 from shared.launch.plan import LaunchOptions
-from shared.launch.supervisor import CONTROL_PREFIX
 from tests.leftovers import processes_naming, streaming_segments_naming
 from tests.train.checkpoints.test_resume_ranks import assert_same_weights
 from tests.train.conftest import REPO_ROOT, tiny_overrides
