@@ -23,6 +23,7 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import re
+import resource
 import shutil
 import tempfile
 import uuid
@@ -33,12 +34,24 @@ import pytest
 
 from tests import leftovers
 
+# CI's machines give a process 1,024 open files (soft limit); here it may be far more, and a descriptor leak
+# that exhausts a CI worker (every later test of that worker then fails with EMFILE) passed here unseen.
+# The suite runs under CI's limit everywhere; its subprocesses inherit it.
+CI_OPEN_FILES = 1024
+_soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+if _soft == resource.RLIM_INFINITY or _soft > CI_OPEN_FILES:
+    resource.setrlimit(resource.RLIMIT_NOFILE, (CI_OPEN_FILES, _hard))
+
 RUN = leftovers.start_run()  # before anything caches the temp folder
 
 from shared.storage.s3_server import S3Server, pointed_at, run_seaweedfs  # noqa: E402
 
 STRICT_LEFTOVERS_ENV = "SD_TESTS_STRICT_LEFTOVERS"
 _LEFT: list[str] = []
+# A test that leaves more descriptors open than this is named in the summary: a module or session fixture
+# may keep a few (the S3 server's pipes), a leak keeps one or more per dataset, trainer or client.
+DESCRIPTORS_HELD_LIMIT = 48
+_HELD: list[str] = []
 
 # -------------------------------------------------------------------------------------- collection
 S3_FIXTURES = ("s3_server", "s3_prefix")
@@ -121,16 +134,54 @@ def s3_prefix(s3_server: S3Server, request: pytest.FixtureRequest) -> str:
 
 
 # ------------------------------------------------------------------------------------------- leftovers
+def _open_descriptors() -> int | None:
+    try:
+        return len(os.listdir("/proc/self/fd"))
+    except OSError:  # no procfs: not counted
+        return None
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
+    item.stash[_DESCRIPTORS_BEFORE] = _open_descriptors()
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """On the teardown report (which reaches the xdist controller), how many more descriptors the worker
+    holds than before the test's setup."""
+    outcome = yield
+    before = item.stash.get(_DESCRIPTORS_BEFORE, None)
+    after = _open_descriptors() if call.when == "teardown" else None
+    if before is not None and after is not None and after - before > DESCRIPTORS_HELD_LIMIT:
+        outcome.get_result().user_properties.append(("descriptors_held", after - before))
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    for key, value in report.user_properties:
+        if key == "descriptors_held":
+            _HELD.append(f"{report.nodeid}: {value} more open descriptors after it than before it")
+
+
+_DESCRIPTORS_BEFORE = pytest.StashKey[int | None]()
+
+
 @pytest.hookimpl(trylast=True)  # after pytest removed a passing session's tmp_path folders
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     factory = getattr(session.config, "_tmp_path_factory", None)
     basetemp = getattr(factory, "_basetemp", None)
     _LEFT[:] = leftovers.finish_run(RUN, basetemp)
-    if _LEFT and os.environ.get(STRICT_LEFTOVERS_ENV) == "1" and exitstatus == 0:
+    if (_LEFT or _HELD) and os.environ.get(STRICT_LEFTOVERS_ENV) == "1" and exitstatus == 0:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if _HELD:
+        limit = f"a worker may hold {CI_OPEN_FILES}, as on CI"
+        terminalreporter.write_sep("=", f"tests that left descriptors open ({limit})", yellow=True)
+        for line in _HELD:
+            terminalreporter.write_line(line)
     if _LEFT:
         terminalreporter.write_sep("=", "left behind by this run (now removed)", yellow=True)
         for line in _LEFT:

@@ -118,7 +118,7 @@ def shm_names() -> set[str]:
 
 def streaming_prefixes_naming(roots: list[Path], names: set[str] | None = None) -> set[str]:
     """Prefixes (`000012`) whose Streaming `_locals` block names a folder under one of `roots`."""
-    from train.data.streaming_host import read_shm
+    from train.data.shm import read_shm
 
     found = set()
     for name in sorted(shm_names() if names is None else names):
@@ -156,7 +156,7 @@ def _removed_at_exit() -> set[str]:
     mp_temp = getattr(sys.modules.get("multiprocessing.process"), "current_process", lambda: None)()
     if mp_temp is not None and mp_temp._config.get("tempdir"):  # multiprocessing's pymp-*, a finalizer's
         names.add(Path(mp_temp._config["tempdir"]).name)
-    host = sys.modules.get("train.data.streaming_host")
+    host = sys.modules.get("train.data.shm")
     names |= {p.name for p in getattr(host, "LOCKS_REMOVED_AT_EXIT", [])}
     return names | {p.name for p in Path(tempfile.gettempdir()).glob(f"{PRODUCT_CACHE_PREFIX}*")}
 

@@ -27,6 +27,7 @@ from shared import contract, storage
 from shared.config import load_config
 from shared.manifest import Layout, read_manifest
 from tests.builders.hostile import build_hostile_webdataset
+from tests.builders.streaming import plain_streaming_dataset
 
 SHARDS, PER_SHARD = 3, 24
 # Smaller than sample.yaml's 64/128 px so the VAE work per test is 4x less; the logic is the same.
@@ -140,12 +141,12 @@ def test_a_source_config_that_does_not_fit_the_files_stops_the_job_on_its_line(
 
 
 def test_merged_index_streams_with_streaming(wds: Path, tmp_path: Path, encoders: Encoders) -> None:
-    from streaming import StreamingDataset
-
     cfg = make_cfg(wds, tmp_path / "out")
     _, result = encode(cfg, encoders)
     layout = Layout(str(tmp_path / "out"))
-    dataset = StreamingDataset(remote=layout.stream_root(LOW), local=str(tmp_path / "cache"), shuffle=False)
+    dataset = plain_streaming_dataset(
+        remote=layout.stream_root(LOW), local=str(tmp_path / "cache"), shuffle=False
+    )
     keys = {dataset[i][contract.KEY] for i in range(len(dataset))}
     assert len(keys) == len(dataset) == result.manifest.resolutions[LOW].num_samples
     assert keys == set(rows_by_key(tmp_path / "out", LOW))

@@ -9,10 +9,11 @@ from typing import Any
 
 import numpy as np
 import pytest
-from streaming import MDSWriter, StreamingDataset
+from streaming import MDSWriter
 
 from shared import contract, storage
 from shared.contract import ContractError, Expectation, Shapes
+from tests.builders.streaming import plain_streaming_dataset
 
 SHAPES = Shapes(latent=(4, 8, 8), text=(77, 32))
 NUM_ROWS = 5
@@ -64,7 +65,9 @@ def test_rows_round_trip_through_mds(remote: str, tmp_path: Path) -> None:
             writer.write(row)
     assert storage.exists(storage.join(remote, "index.json"))  # on S3 the writer really uploaded
 
-    dataset = StreamingDataset(remote=remote, local=str(tmp_path / "cache"), shuffle=False, batch_size=1)
+    dataset = plain_streaming_dataset(
+        remote=remote, local=str(tmp_path / "cache"), shuffle=False, batch_size=1
+    )
     assert len(dataset) == NUM_ROWS
     for want, got in zip(rows, (dataset[i] for i in range(NUM_ROWS)), strict=True):
         assert got[contract.KEY] == want[contract.KEY]

@@ -42,6 +42,7 @@ from shared.runtime.children import die_with_parent
 from train.config import DataConfig
 from train.data import packing
 from train.data.draws import SAMPLE_SEED
+from train.data.shm import also_release, attached_without_exit_hold
 from train.data.streaming_host import DataError, claim_local_dir, streaming_prefix_lock
 
 log = logging.getLogger(__name__)
@@ -115,11 +116,8 @@ def cache_dir_for(cache_root: str, root: str, version: str, resolution: int, run
     folder = os.path.join(
         cache_root or default_cache_root(), fingerprint(root.rstrip("/")), version, str(resolution)
     )
-    return (
-        os.path.join(folder, RUN_CACHE_PREFIX + fingerprint(run_key))
-        if run_key and not cache_root
-        else folder
-    )
+    run_folder = os.path.join(folder, RUN_CACHE_PREFIX + fingerprint(run_key))
+    return run_folder if run_key and not cache_root else folder
 
 
 def read_dataset_manifest(cfg: DataConfig) -> DatasetManifest:
@@ -235,6 +233,14 @@ def _streaming_dataset_class() -> type:
             yield from super().__iter__()
             if self.shard_failure is not None:
                 raise self.shard_failure
+
+        def load_state_dict(self, obj: dict[str, Any]) -> None:
+            super().load_state_dict(obj)
+            also_release(self, self._resume_shm)  # the segment Streaming keeps the resume state in
+
+        def _resume(self, world: Any, epoch: int) -> tuple[int, int]:
+            with attached_without_exit_hold():  # its read of the resume state, at every epoch
+                return super()._resume(world, epoch)
 
         def _get_work(self, epoch: int, sample_in_epoch: int) -> Any:
             self.current_epoch = epoch

@@ -14,14 +14,15 @@
   unlinks between two ranks' scans (its process exiting) makes them pick different prefixes, and the later
   rank dies with FileNotFoundError '/0000NN_locals'. During construction the node's local leader alone
   scans and the ranks take its choice (`agreed_shm_prefix`).
+- Streaming's prefix scan attaches every live segment it passes and holds it until exit: a process that
+  built datasets one after another held a quadratic number of descriptors. The scan here reads and closes
+  (`first_free_prefix`); each dataset built here is released when it goes (train/data/shm.py).
 """
 
 from __future__ import annotations
 
-import atexit
 import fcntl
 import logging
-import mmap
 import os
 import tempfile
 import time
@@ -31,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from shared import storage
+from train.data.shm import read_shm, release_at_end, shm_state, unlink_shm
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +41,6 @@ _PREFIX_LOCK_NAME = "streaming-shm-prefix.lock"
 PREFIX_LOCK_TIMEOUT_S = 600.0  # another job's dataset construction takes seconds; this only breaks a deadlock
 _PREFIX_LOCK_POLL_S = 0.05
 _held_locks: dict[str, int] = {}  # local dir -> open fd holding its flock (released when the process exits)
-LOCKS_REMOVED_AT_EXIT: list[Path] = []  # Streaming file locks of this process's datasets
 
 
 class DataError(ValueError):
@@ -94,43 +95,10 @@ def remove_stale_registrations(local: str) -> int:
         if target not in (os.path.abspath(p) for p in their_locals):
             continue
         for name in SHM_TO_CLEAN:
-            removed += _unlink_shm(_get_path(prefix_int, name))
+            removed += unlink_shm(_get_path(prefix_int, name))
         for path in locks:
             Path(path).unlink(missing_ok=True)
     return removed
-
-
-# Other processes' segments are read and unlinked with the POSIX calls themselves, never through
-# multiprocessing.shared_memory.SharedMemory: on Python < 3.13 attaching one registers it with this process's
-# resource tracker, which at exit warns "There appear to be N leaked shared_memory objects" and unlinks it,
-# although another live job owns it (that job's next dataset then reuses its prefix; seen as the warning
-# after every demo and training run, and as Streaming segments left in /dev/shm after the suite).
-def read_shm(name: str) -> bytes | None:
-    """The bytes of the POSIX shared memory `name`, or None when there is none (or it is not ours)."""
-    import _posixshmem
-
-    try:
-        fd = _posixshmem.shm_open(f"/{name}", os.O_RDONLY, mode=0o600)
-    except (FileNotFoundError, PermissionError):
-        return None
-    try:
-        size = os.fstat(fd).st_size
-        if not size:
-            return b""
-        with mmap.mmap(fd, size, prot=mmap.PROT_READ) as view:
-            return bytes(view)
-    finally:
-        os.close(fd)
-
-
-def _unlink_shm(name: str) -> int:
-    import _posixshmem
-
-    try:
-        _posixshmem.shm_unlink(f"/{name}")
-    except (FileNotFoundError, PermissionError):
-        return 0
-    return 1
 
 
 @contextmanager
@@ -144,7 +112,8 @@ def streaming_prefix_lock() -> Iterator[Callable[[Any], Any]]:
     scan only while no other job can register. The lock file is per user (a shared one could be held by
     anyone to stall us); jobs of different users on one host are not serialised.
 
-    Yields `created`: pass it each dataset built, so its prefix's file locks go when the process exits.
+    Yields `created`: pass it each dataset built, so its shared memory and file locks go when the dataset
+    does (`release_at_end`).
     """
     import torch.distributed as torch_dist
 
@@ -154,7 +123,7 @@ def streaming_prefix_lock() -> Iterator[Callable[[Any], Any]]:
         if distributed:
             torch_dist.barrier()
         with _prefix_agreed_per_node():
-            yield remove_file_locks_at_exit
+            yield release_at_end
     finally:
         if fd is not None:
             os.close(fd)  # closing the descriptor drops the flock
@@ -216,15 +185,12 @@ def register_free_prefix(
 ) -> tuple[int, Any]:
     """Scan for the first free prefix and create its LOCALS segment; scan again when another process
     created it between the scan and the create (FileExistsError)."""
-    from streaming.base.constant import LOCALS, SHM_TO_CLEAN
+    from streaming.base.constant import LOCALS
     from streaming.base.shared import SharedMemory
     from streaming.base.shared import prefix as shm_prefix
 
     for _ in range(REGISTER_ATTEMPTS):
-        prefix_int = max(
-            shm_prefix._check_and_find_retrying(streams_local, streams_remote, name, retry)
-            for name in SHM_TO_CLEAN
-        )
+        prefix_int = first_free_prefix(streams_local, streams_remote, retry)
         data = shm_prefix._pack_locals(streams_local, prefix_int)
         try:
             shm = SharedMemory(shm_prefix._get_path(prefix_int, LOCALS), True, len(data))
@@ -238,29 +204,49 @@ def register_free_prefix(
     )
 
 
-def remove_file_locks_at_exit(dataset: Any) -> Any:
-    """Remove the dataset's two Streaming file locks (<tmp>/<prefix>_barrier_filelock, _cache_filelock) when
-    this process exits; returns the dataset.
+def first_free_prefix(streams_local: list[str], streams_remote: list[str | None], retry: int) -> int:
+    """The first prefix with no Streaming file lock in the temp folder and none of its segments in use,
+    checking that no live registration streams one of our remote streams into one of our local folders
+    (retried `retry` times a tick apart, as upstream: a dataset being torn down unregisters late).
 
-    Streaming creates them next to its shared memory and never removes them, and its prefix scan skips every
-    prefix whose lock file exists: each finished run took one prefix for good (one `make test` left 200
-    files in /tmp and pushed new jobs' prefixes past 60). Only the local leader, which created the prefix.
+    Streaming 0.13's own scan (`_check_and_find`) attaches every live segment it passes with its
+    SharedMemory, which registers each for cleanup at exit and so holds its descriptor and mapping until
+    the process ends: a process that builds datasets one after another held a quadratic number of
+    descriptors (the bench's data section alone: 4,700; the suite's workers hit their limit of 1,024, and
+    then every test failed with EMFILE). Here every segment is read and closed at once (`read_shm`).
     """
-    prefix, root = getattr(dataset, "_shm_prefix_int", None), getattr(dataset, "_filelock_root", None)
-    if prefix is None or root is None or int(os.environ.get("LOCAL_RANK", "0")) != 0:
-        return dataset
-    from streaming.base.constant import BARRIER_FILELOCK, CACHE_FILELOCK
-    from streaming.base.shared.prefix import _get_path
+    from streaming.base.constant import BARRIER_FILELOCK, CACHE_FILELOCK, LOCALS, SHM_TO_CLEAN, TICK
+    from streaming.base.shared.prefix import _get_path, _unpack_locals
 
-    if not LOCKS_REMOVED_AT_EXIT:
-        atexit.register(_remove_file_locks)
-    LOCKS_REMOVED_AT_EXIT.extend(Path(root, _get_path(prefix, n)) for n in (BARRIER_FILELOCK, CACHE_FILELOCK))
-    return dataset
-
-
-def _remove_file_locks() -> None:
-    for path in LOCKS_REMOVED_AT_EXIT:
-        path.unlink(missing_ok=True)
+    for attempt in range(1 + retry):
+        for prefix_int in range(1 << 16):
+            locks = (
+                os.path.join(tempfile.gettempdir(), _get_path(prefix_int, n))
+                for n in (BARRIER_FILELOCK, CACHE_FILELOCK)
+            )
+            if any(os.path.exists(p) for p in locks):
+                continue
+            states = {name: shm_state(_get_path(prefix_int, name)) for name in SHM_TO_CLEAN}
+            if all(state is None for state in states.values()):
+                return prefix_int
+            registered = states[LOCALS]
+            if isinstance(registered, bytes) and registered and any(streams_remote):
+                their_locals, _ = _unpack_locals(registered)
+                if any(
+                    remote is not None and local in their_locals
+                    for local, remote in zip(streams_local, streams_remote, strict=True)
+                ):
+                    break  # a live dataset still streams into our folder: wait a tick, scan again
+        else:
+            raise DataError(
+                "no free Streaming shared-memory prefix among 65,536: clear /dev/shm of dead jobs"
+            )
+        if attempt < retry:
+            time.sleep(TICK)
+    raise DataError(
+        f"another live StreamingDataset streams into one of {streams_local}: "
+        "give this run its own data.cache_dir"
+    )
 
 
 def _acquire_prefix_lock() -> int:

@@ -11,8 +11,8 @@ Composer's own dispatch runs (its per-callback markers and debug lines).
 
 from __future__ import annotations
 
-import functools
 import os
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,9 +21,23 @@ from composer.core import Callback, Engine, Event
 ENGINE_DEBUG = "ENGINE_DEBUG"  # Composer's switch for its engine's per-callback debug lines
 
 
-@functools.cache
+# id(class) -> the events its instances handle, dropped when the class goes: a class made per call (a
+# callback defined in a function, closing over that call's objects) must not be kept alive by the cache, nor
+# what it closes over (under functools.cache the bench's per-run clock callback held each finished trainer's
+# whole State). Keyed by id for a plain dict lookup: it runs for every callback on every event.
+_HANDLED: dict[int, frozenset[str]] = {}
+
+
 def class_handles(cls: type, event_name: str) -> bool:
     """Instances of `cls` do something on this event: the class defines its handler or its own run_event."""
+    handled = _HANDLED.get(id(cls))
+    if handled is None:
+        handled = _HANDLED[id(cls)] = frozenset(e.value for e in Event if _defines_handler(cls, e.value))
+        weakref.finalize(cls, _HANDLED.pop, id(cls), None)
+    return event_name in handled
+
+
+def _defines_handler(cls: type, event_name: str) -> bool:
     if cls.run_event is not Callback.run_event:  # type: ignore[attr-defined]
         return True
     return getattr(cls, event_name, None) is not getattr(Callback, event_name)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -186,12 +187,37 @@ class IntervalFileLogger(FileLogger):
     every step's values."""
 
     def __init__(self, filename: str, every: int):
+        before = [(stream, _own_write(stream)) for stream in (sys.stdout, sys.stderr)]
         super().__init__(filename=filename, overwrite=True, log_traces=False)
         self.every = max(1, every)
+        self._interceptions = [(stream, was, _own_write(stream)) for stream, was in before]
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
         if step is None or step % self.every == 0:
             super().log_metrics(metrics, step)
+
+    def close(self, state: State, logger: Logger) -> None:
+        super().close(state, logger)
+        self.stop_intercepting()
+
+    def stop_intercepting(self) -> None:
+        """Take Composer's writers off sys.stdout / sys.stderr. FileLogger wraps their `write` in every
+        instance and never unwraps: each trainer a process built added one more wrapper to every print,
+        which kept that trainer's logger alive, and through the callbacks its whole State. A stream that
+        someone wrapped again after us keeps its chain (only our writer goes quiet, as Composer's does)."""
+        for stream, was, ours in self._interceptions:
+            if ours is None or _own_write(stream) is not ours:
+                continue
+            if was is None:
+                del stream.write
+            else:
+                stream.write = was
+        self._interceptions = []
+
+
+def _own_write(stream: Any) -> Any:
+    """The `write` set on the stream object itself (a wrapper), None when it is the class's method."""
+    return getattr(stream, "__dict__", {}).get("write")
 
 
 # ----------------------------------------------------------------------------------------- mirroring

@@ -36,15 +36,18 @@ metrics run Composer's own methods.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import itertools
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 from composer import Trainer
 from composer.core import Callback, Event, State, TrainerMode, get_precision_context
+from composer.core.engine import Engine
 from composer.distributed import ddp_sync_context
 from composer.loggers import Logger
 from composer.utils import dist
@@ -60,6 +63,31 @@ from train.loop.events import make_lean
 LOSS_METRIC = "loss/train/total"  # Composer's name; metrics.jsonl calls it "loss"
 
 
+# Composer's Engine registers `atexit(Engine._close, state, logger)` for every trainer and keeps it after
+# close(), and torch's distributed-checkpoint state-dict helper caches (model, name) pairs for good
+# (`_get_fqns`, functools.cache): a closed trainer's State (model, optimizer, EMA, dataloaders and their
+# Streaming shared memory) lived until the process ended. A process that builds trainers one after another
+# (`make bench`'s trainer and as_recipe sections, the suite's workers) held every earlier one: 14
+# descriptors and a /dev/shm prefix per dataset, the weights and optimizer state per model (on a GPU, device
+# memory the next section lacks).
+_OPEN_TRAINERS: weakref.WeakSet[Trainer] = weakref.WeakSet()
+
+
+def let_go_of(closed: Trainer) -> None:
+    """Drop what keeps a closed trainer alive outside it. atexit removes by function alone (every engine's
+    registration at once), so the trainers still open are registered again; the torch cache only
+    recomputes what it dropped."""
+    _OPEN_TRAINERS.discard(closed)
+    atexit.unregister(Engine._close)
+    for trainer in list(_OPEN_TRAINERS):
+        atexit.register(Engine._close, trainer.state, trainer.logger)
+    from torch.distributed.checkpoint import state_dict as dcp_state_dict
+
+    cache_clear = getattr(getattr(dcp_state_dict, "_get_fqns", None), "cache_clear", None)
+    if cache_clear is not None:
+        cache_clear()
+
+
 class LeanTrainer(Trainer):
     """Composer's Trainer without its per-step read-backs, bookkeeping collectives and host work for
     features this job does not use (see module doc)."""
@@ -68,6 +96,11 @@ class LeanTrainer(Trainer):
         self.fsdp_no_sync = fsdp_no_sync  # config `fsdp_no_sync`: see accumulation_sync
         super().__init__(*args, **kwargs)
         make_lean(self.engine)
+        _OPEN_TRAINERS.add(self)
+
+    def close(self) -> None:
+        super().close()
+        let_go_of(self)
 
     def _train_batch(self, use_grad_scaling: bool) -> Any:
         if self.state.auto_microbatching or use_grad_scaling:

@@ -25,7 +25,8 @@ from train.data.loader import (
     pin_version,
     read_dataset_manifest,
 )
-from train.data.streaming_host import claim_local_dir, read_shm, remove_stale_registrations
+from train.data.shm import read_shm
+from train.data.streaming_host import claim_local_dir, remove_stale_registrations
 
 
 @pytest.fixture(scope="module")

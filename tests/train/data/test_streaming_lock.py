@@ -15,6 +15,7 @@ while they build: the second test tears one down between the leader's scan and t
 from __future__ import annotations
 
 import atexit
+import contextlib
 import mmap
 import multiprocessing as mp
 import os
@@ -26,7 +27,7 @@ import pytest
 
 from train.config import DataConfig
 from train.data.loader import PinnedData, build_dataset, pin_version, read_dataset_manifest
-from train.data.streaming_host import read_shm
+from train.data.shm import read_shm
 
 PROCESSES = 8
 JOIN_TIMEOUT_S = 60.0
@@ -131,20 +132,20 @@ def _rank_in_child(pinned: PinnedData, store: str, rank: int, gone: str, other: 
     import _posixshmem
 
     import torch.distributed as torch_dist
-    from streaming.base.constant import LOCALS, SHM_TO_CLEAN
-    from streaming.base.shared import prefix as shm_prefix
+    from streaming.base.constant import LOCALS
     from streaming.base.shared.prefix import _get_path
 
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
-    scan, foreign, calls = shm_prefix._check_and_find_retrying, [], []
+    from train.data import streaming_host
 
-    def leader_scan(streams_local: list[str], streams_remote: list[Any], shm_name: str, retry: int) -> int:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
+    scan, foreign = streaming_host.first_free_prefix, []
+
+    def leader_scan(streams_local: list[str], streams_remote: list[Any], retry: int) -> int:
         if not foreign:
-            foreign.append(_get_path(scan(streams_local, streams_remote, LOCALS, retry), LOCALS))
+            foreign.append(_get_path(scan(streams_local, streams_remote, retry), LOCALS))
             _create_foreign_locals(foreign[0], other)
-        calls.append(shm_name)
-        found = scan(streams_local, streams_remote, shm_name, retry)
-        if len(calls) == len(SHM_TO_CLEAN):  # the leader's scan is over: the other job exits
+        found = scan(streams_local, streams_remote, retry)
+        if not Path(gone).exists():  # the leader's scan is over: the other job exits
             _posixshmem.shm_unlink(f"/{foreign[0]}")
             Path(gone).touch()
         return found
@@ -155,7 +156,7 @@ def _rank_in_child(pinned: PinnedData, store: str, rank: int, gone: str, other: 
             time.sleep(0.05)
         return scan(*args, **kwargs)
 
-    shm_prefix._check_and_find_retrying = leader_scan if rank == 0 else late_scan
+    streaming_host.first_free_prefix = leader_scan if rank == 0 else late_scan
     try:
         torch_dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
         dataset = build_dataset(DataConfig(shuffle=False, num_workers=0), pinned, per_rank_batch=4, seed=0)
@@ -213,22 +214,22 @@ def test_a_prefix_registered_between_the_scan_and_the_create_is_scanned_past(
     """Another job (here: the test, as one with another TMPDIR, whose prefix lock this process never sees)
     registers the prefix this process's scan found, before this process creates it: FileExistsError
     '/0000NN_locals' stopped the run as a fatal path error; now it scans again."""
-    from streaming.base.constant import LOCALS, SHM_TO_CLEAN
-    from streaming.base.shared import prefix as shm_prefix
+    from streaming.base.constant import LOCALS
     from streaming.base.shared.prefix import _get_path
 
+    from train.data import streaming_host
     from train.data.streaming_host import register_free_prefix
 
-    scan, found, stolen = shm_prefix._check_and_find_retrying, [], []
+    scan, stolen = streaming_host.first_free_prefix, []
 
-    def racing_scan(streams_local: list[str], streams_remote: list[Any], shm_name: str, retry: int) -> int:
-        found.append(scan(streams_local, streams_remote, shm_name, retry))
-        if not stolen and len(found) == len(SHM_TO_CLEAN):  # the scan is over: the other job registers
-            stolen.append(_get_path(max(found), LOCALS))
+    def racing_scan(streams_local: list[str], streams_remote: list[Any], retry: int) -> int:
+        found = scan(streams_local, streams_remote, retry)
+        if not stolen:  # the scan is over: the other job registers the prefix it found
+            stolen.append(_get_path(found, LOCALS))
             _create_foreign_locals(stolen[0], str(tmp_path / "another-job"))
-        return found[-1]
+        return found
 
-    monkeypatch.setattr(shm_prefix, "_check_and_find_retrying", racing_scan)
+    monkeypatch.setattr(streaming_host, "first_free_prefix", racing_scan)
     shm = None
     try:
         prefix, shm = register_free_prefix([str(tmp_path / "mine")], [None], retry=1)
@@ -243,3 +244,64 @@ def test_a_prefix_registered_between_the_scan_and_the_create_is_scanned_past(
         for name in stolen:
             _posixshmem.shm_unlink(f"/{name}")
     assert not registrations_of(str(tmp_path / "mine"))
+
+
+def shm_descriptors() -> set[str]:
+    """What this process holds open in /dev/shm."""
+    held = set()
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/self/fd/{fd}")
+            if target.startswith("/dev/shm/"):
+                held.add(target)
+    return held
+
+
+def test_the_prefix_scan_holds_no_descriptor_of_the_segments_it_passes(tmp_path: Path) -> None:
+    """Streaming's own scan attached every live segment it passed, for good: a process that built datasets
+    one after another held a quadratic number of descriptors (4,700 in the bench's data section)."""
+    import _posixshmem
+
+    from streaming.base.constant import LOCALS
+    from streaming.base.shared.prefix import _get_path
+
+    from train.data.streaming_host import first_free_prefix
+
+    mine = [str(tmp_path / "mine")]
+    taken: list[str] = []
+    try:
+        for i in range(4):  # other jobs' registrations, at the prefixes this scan would have taken
+            taken.append(_get_path(first_free_prefix(mine, [None], retry=0), LOCALS))
+            _create_foreign_locals(taken[-1], str(tmp_path / f"job{i}"))
+        before = shm_descriptors()
+        for _ in range(10):
+            assert _get_path(first_free_prefix(mine, [None], retry=0), LOCALS) not in taken
+        assert shm_descriptors() == before
+    finally:
+        for name in taken:
+            _posixshmem.shm_unlink(f"/{name}")
+
+
+def test_a_dataset_that_goes_takes_its_shared_memory_and_file_locks_with_it(
+    tiny_dataset: str, tmp_path: Path
+) -> None:
+    """Streaming frees a dataset's segments and never its file locks at exit only; a dataset collected
+    earlier held ~14 descriptors and its prefix until then."""
+    import gc
+
+    from train.data import shm
+
+    cfg = DataConfig(uri=tiny_dataset, resolution=64, cache_dir=str(tmp_path / "cache"), num_workers=0)
+    pinned = pin_version(cfg, read_dataset_manifest(cfg))
+    before = shm_descriptors()
+    dataset = build_dataset(cfg, pinned, per_rank_batch=4, seed=0)
+    dataset.load_state_dict({"epoch": 0, "sample_in_epoch": 4, "num_canonical_nodes": 1, "shuffle_seed": 0})
+    assert sum(1 for _ in dataset) == 64 - 4  # an epoch, resumed: its threads have ended
+    locks = [p for p in shm.LOCKS_REMOVED_AT_EXIT if p.name.startswith(f"{dataset._shm_prefix_int:06}_")]
+    assert registrations_of(pinned.local) and shm_descriptors() > before and all(p.exists() for p in locks)
+    del dataset
+    gc.collect()
+    assert not registrations_of(pinned.local)
+    assert shm_descriptors() <= before
+    assert locks and not any(p.exists() for p in locks)
+    assert not set(locks) & set(shm.LOCKS_REMOVED_AT_EXIT)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from shared.contract import LATENT_MEAN, TEXT_EMBEDDING, ContractError
+from tests.builders.streaming import plain_streaming_dataset
 from tests.train.conftest import write_fake_dataset
 from train.config import EvalConfig
 from train.data.streaming_host import DataError
@@ -20,11 +21,9 @@ SAME: dict = {}
 
 
 def test_rows_are_the_stored_samples_in_order(tiny_dataset: str, tmp_path: Path) -> None:
-    from streaming import StreamingDataset
-
     pinned = pin_eval_data(EvalConfig(uri=tiny_dataset, num_samples=40), "tiny", 64, str(tmp_path), SAME)
     rows = read_rows(pinned, [0, 5, 33, 39])  # 33 and 39 are in the second partition
-    reference = StreamingDataset(local=pinned.remote, shuffle=False, batch_size=1)
+    reference = plain_streaming_dataset(local=pinned.remote, shuffle=False, batch_size=1)
     for position, index in enumerate(rows.indices):
         row = reference[index]
         assert torch.equal(rows.columns[LATENT_MEAN][position], torch.from_numpy(row[LATENT_MEAN].copy()))

@@ -110,8 +110,7 @@ def test_engine_debug_lines_cost_nothing_unless_asked_for(
 
     monkeypatch.setenv(ENGINE_DEBUG, debug)
     # Grouped, both cases run in one process and pytest hands the second the first's (removed) tmp_path;
-    # Streaming keeps the first trainer's dataset registered for the process's life, so each case needs
-    # its own cache folder.
+    # each case has its own cache folder, as the first trainer's dataset may not be collected yet.
     cache = tmp_path / f"cache-{debug or 'off'}"
     cfg = tiny_config(tiny_dataset, tmp_path / "save", cache, "samples.enabled=false")
     trainer = build_trainer(cfg)
