@@ -4,6 +4,7 @@ batching, the dataset manifest and its contract, the pinned version, where train
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -244,11 +245,26 @@ def resolve_microbatch(cfg: TrainConfig, device: str, world: int) -> TrainConfig
 NODE_LOCAL_KEYS = frozenset({"data.cache_dir", "log.local_dir", "compile_cache_dir"})
 
 
+def resolved_config(ctx: RunContext) -> TrainConfig:
+    """The config with derived choices filled in: rerunning it reproduces this run (same data version)."""
+    if ctx.streams:
+        pinned = [dataclasses.replace(s.cfg, name=s.name, version=s.pinned.version) for s in ctx.streams]
+        data = dataclasses.replace(ctx.cfg.data, streams=pinned)
+    else:
+        data = dataclasses.replace(ctx.cfg.data, version=ctx.pinned.version)
+    return dataclasses.replace(ctx.cfg, run_name=ctx.run_name, data=data)
+
+
 def rank_decisions(ctx: RunContext) -> dict[str, Any]:
-    """What this rank decided from its own GPU, the GPU, and the config it runs: gathered from every rank
-    once they have joined (check_ranks_agree)."""
+    """What this rank decided from its own GPU, the GPU, and the config it runs, with the versions it
+    pinned: gathered from every rank once they have joined (check_ranks_agree). Pinned versions, not
+    `data.version` as each rank resolved it: a resume pins what the run's train_config.yaml records, and
+    rank 0 may have rewritten that file (same versions, now pinned) before another rank read it, which
+    then held "v1" where rank 0 held null (a 2-rank resume refused on CI)."""
     gpu = gpu_memory()[0] if ctx.device == "gpu" else "no GPU"
-    flat = {key: json.dumps(value) for key, value in flat_config(config_to_dict(ctx.cfg)).items()}
+    flat = {
+        key: json.dumps(value) for key, value in flat_config(config_to_dict(resolved_config(ctx))).items()
+    }
     config = {key: value for key, value in flat.items() if key not in NODE_LOCAL_KEYS}
     return {"gpu": gpu, "device_microbatch_size": str(ctx.cfg.device_microbatch_size), "config": config}
 

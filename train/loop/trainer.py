@@ -8,7 +8,6 @@ load_path, or fresh).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import shutil
@@ -40,7 +39,7 @@ from train.data.recorded import CONFIG_FILENAME
 from train.loop.callbacks import build_callbacks, build_loggers, dataset_leases, stream_callbacks
 from train.loop.compiled import composer_ddp
 from train.loop.cpu_fsdp import composer_fsdp_on_cpu
-from train.loop.prepare import RunContext, check_ranks_agree, prepare_run, rank_decisions
+from train.loop.prepare import RunContext, check_ranks_agree, prepare_run, rank_decisions, resolved_config
 from train.model.assemble import assemble_model, build_unet  # noqa: F401  (build_unet: re-exported for callers)
 from train.model.compile_plan import use_compile
 from train.model.diffusion import DiffusionModel
@@ -120,16 +119,6 @@ def parallelism_config(ctx: RunContext) -> dict[str, Any] | None:
             "use_orig_params": True,
         }
     }
-
-
-def resolved_config(ctx: RunContext) -> TrainConfig:
-    """The config with derived choices filled in: rerunning it reproduces this run (same data version)."""
-    if ctx.streams:
-        pinned = [dataclasses.replace(s.cfg, name=s.name, version=s.pinned.version) for s in ctx.streams]
-        data = dataclasses.replace(ctx.cfg.data, streams=pinned)
-    else:
-        data = dataclasses.replace(ctx.cfg.data, version=ctx.pinned.version)
-    return dataclasses.replace(ctx.cfg, run_name=ctx.run_name, data=data)
 
 
 def write_resolved_config(ctx: RunContext) -> None:
