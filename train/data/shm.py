@@ -16,6 +16,7 @@ from __future__ import annotations
 import atexit
 import mmap
 import os
+import tempfile
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
@@ -143,10 +144,16 @@ def _own_file_locks(dataset: Any) -> list[Path]:
     prefix, root = getattr(dataset, "_shm_prefix_int", None), getattr(dataset, "_filelock_root", None)
     if prefix is None or root is None or int(os.environ.get("LOCAL_RANK", "0")) != 0:
         return []
+    return file_locks(prefix, root)
+
+
+def file_locks(prefix_int: int, root: str | None = None) -> list[Path]:
+    """Streaming's two file locks of a prefix, in `root` (None: the temp folder, where it puts them)."""
     from streaming.base.constant import BARRIER_FILELOCK, CACHE_FILELOCK
     from streaming.base.shared.prefix import _get_path
 
-    return [Path(root, _get_path(prefix, n)) for n in (BARRIER_FILELOCK, CACHE_FILELOCK)]
+    folder = tempfile.gettempdir() if root is None else root
+    return [Path(folder, _get_path(prefix_int, n)) for n in (BARRIER_FILELOCK, CACHE_FILELOCK)]
 
 
 def _release(pid: int, held: list[Any], locks: list[Path]) -> None:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -32,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from shared import storage
-from train.data.shm import read_shm, release_at_end, shm_state, unlink_shm
+from train.data.shm import file_locks, read_shm, release_at_end, shm_state, unlink_shm
 
 log = logging.getLogger(__name__)
 
@@ -76,19 +75,16 @@ def remove_stale_registrations(local: str) -> int:
     """Unlink Streaming shared memory that registered `local` (only called while we hold its lock)."""
     # Streaming 0.13 internals: prefixes are scanned from 0 until a free one, LOCALS lists each prefix's
     # local folders. Any prefix that names our folder belongs to a dead process, since we hold the lock.
-    from streaming.base.constant import BARRIER_FILELOCK, CACHE_FILELOCK, LOCALS, SHM_TO_CLEAN
+    from streaming.base.constant import LOCALS, SHM_TO_CLEAN
     from streaming.base.shared.prefix import _get_path, _unpack_locals
 
     removed = 0
     target = os.path.abspath(local)
     for prefix_int in range(1 << 16):
         registered = read_shm(_get_path(prefix_int, LOCALS))
-        locks = [
-            os.path.join(tempfile.gettempdir(), _get_path(prefix_int, n))
-            for n in (BARRIER_FILELOCK, CACHE_FILELOCK)
-        ]
+        locks = file_locks(prefix_int)
         if registered is None:
-            if any(os.path.exists(p) for p in locks):
+            if any(p.exists() for p in locks):
                 continue
             break
         their_locals, _ = _unpack_locals(registered)
@@ -97,7 +93,7 @@ def remove_stale_registrations(local: str) -> int:
         for name in SHM_TO_CLEAN:
             removed += unlink_shm(_get_path(prefix_int, name))
         for path in locks:
-            Path(path).unlink(missing_ok=True)
+            path.unlink(missing_ok=True)
     return removed
 
 
@@ -215,16 +211,12 @@ def first_free_prefix(streams_local: list[str], streams_remote: list[str | None]
     descriptors (the bench's data section alone: 4,700; the suite's workers hit their limit of 1,024, and
     then every test failed with EMFILE). Here every segment is read and closed at once (`read_shm`).
     """
-    from streaming.base.constant import BARRIER_FILELOCK, CACHE_FILELOCK, LOCALS, SHM_TO_CLEAN, TICK
+    from streaming.base.constant import LOCALS, SHM_TO_CLEAN, TICK
     from streaming.base.shared.prefix import _get_path, _unpack_locals
 
     for attempt in range(1 + retry):
         for prefix_int in range(1 << 16):
-            locks = (
-                os.path.join(tempfile.gettempdir(), _get_path(prefix_int, n))
-                for n in (BARRIER_FILELOCK, CACHE_FILELOCK)
-            )
-            if any(os.path.exists(p) for p in locks):
+            if any(p.exists() for p in file_locks(prefix_int)):
                 continue
             states = {name: shm_state(_get_path(prefix_int, name)) for name in SHM_TO_CLEAN}
             if all(state is None for state in states.values()):
