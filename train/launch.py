@@ -27,6 +27,8 @@ from shared.estimate.cluster import (
     host_bound_note,
     min_interval_for_share,
     save_share,
+    state_update,
+    state_update_lines,
     step_comm,
     step_seconds,
 )
@@ -100,7 +102,7 @@ def plan_train(
     except BatchingError as err:  # a dry run still prints the rest of the plan, this last
         plan.refuse(str(err))
     else:
-        plan.cluster, notes = cluster_lines(cfg, topology, plan.batching, write_gb_per_s, step)
+        plan.cluster, notes = cluster_lines(cfg, topology, plan.batching, write_gb_per_s, step, gpu_type)
         plan.notes += notes
         micro = plan.batching.microbatch
         ddp = ddp_alternative(gpu_type, cfg.model.preset, cfg.data.resolution, micro)
@@ -225,8 +227,10 @@ def cluster_lines(
     batching: Batching,
     write_gb_per_s: float,
     step: tuple[float, str] | None,
+    gpu_type: str = DEFAULT_GPU_TYPE,
 ) -> tuple[list[str], list[str]]:
-    """Per-step communication, checkpoint size and save time (formulas: shared/estimate/cluster.py)."""
+    """Per-step communication, state update, checkpoint size and save time (formulas:
+    shared/estimate/cluster.py)."""
     notes = []
     strategy = cfg.strategy(topology.world_size)
     if strategy != "DDP" and batching.grad_accum > 1:
@@ -265,6 +269,12 @@ def cluster_lines(
         "full (rank 0) "
         f"{ckpt.full_save_s:.1f} s, sharded {ckpt.sharded_save_s:.2f} s",
     ]
+    ema = time_count(cfg.ema.update_interval) if cfg.ema.enabled else None
+    clipping, fused = cfg.optimizer.grad_clip_norm is not None, cfg.optimizer.fused
+    update = state_update(params, topology.world_size, strategy, clipping, ema)
+    update_line, update_note = state_update_lines(update, strategy, gpu_type, fused, step)
+    lines.append(update_line)
+    notes += [update_note] if update_note else []
     if step is None or not cfg.save_interval.endswith("ba"):
         return lines, notes
     step_s, basis = step

@@ -31,12 +31,29 @@ all-gather 255/256 x 865,910,724 x 2 = 1.725 GB, reduce-scatter 3.450 GB per ran
 13.85 GB, 54.1 MB per rank sharded; at 1 GB/s per node a full save takes 13.9 s, a sharded one 0.43 s;
 at 184.6 img/s per GPU a step is 43.3 ms, so saving every 2500 batches costs 11.3 % (full) or 0.40 %
 (sharded) of wall time.
+
+The state update, per rank per optimizer step: after backward each rank runs the job's gradient clipping,
+its fused AdamW step and its EMA update over the parameters it holds, memory-bound kernels whose device time
+is their bytes over the GPU's memory bandwidth. HBM bytes per fp32 parameter, reads + writes:
+
+    clipping    4   the norm reads every gradient once (the scale is folded into the fused step)
+    AdamW      32   torch's fused kernel reads param, grad, exp_avg, exp_avg_sq and writes all four: given a
+                    grad_scale (the folded clipping) it also stores the unscaled gradient; 28 without one
+    EMA        12   the foreach lerp reads the average and the param, writes the average; / ema interval
+
+FSDP's sharded strategies (SHARD_GRAD_OP, FULL_SHARD) update 1/W of the parameters on each rank; DDP and
+NO_SHARD update all of them on every rank. SD2-base, 48 B a parameter: 41.6 GB a step on every rank under
+DDP, 8.7 ms at an H200's 4.8 TB/s and 26.7 ms at an A100-40GB's 1.555 TB/s, beside 12.5 ms of U-Net work
+for 8 images at 256 px on an H200 at 35% MFU; 0.16 GB (0.03 ms) under SHARD_GRAD_OP on 256 ranks. `make
+bench`'s anatomy counts these bytes op by op (anatomy.eager.state_update_bytes_per_param).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Literal
+
+from shared.estimate.gpus import GPU_TABLE
 
 # diffusers UNet2DConditionModel with the sd2-base preset's shapes (shared/presets.py), counted with
 # sum(p.numel() for p in unet.parameters()).
@@ -46,6 +63,10 @@ PRESET_PARAMS = {"sd2-base": 865_910_724, "tiny": 792_964}
 PUBLISHED_IMAGES_PER_S_PER_A100 = {256: 184.6, 512: 42.2}
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 WEIGHT_BYTES, EMA_BYTES, ADAMW_BYTES = 4, 4, 8  # per parameter, fp32 (AdamW: exp_avg + exp_avg_sq)
+# The state update's HBM bytes per fp32 parameter and step (module doc), counted op by op on the job's step.
+STATE_UPDATE_BYTES = {"clipping": 4, "optimizer": 32, "ema": 12}
+ADAMW_BYTES_UNSCALED = 28  # the fused step without a grad_scale (no clipping): the gradient is not stored
+SHARDED_STRATEGIES = ("SHARD_GRAD_OP", "FULL_SHARD")
 DEFAULT_WRITE_GB_PER_S_PER_NODE = 1.0  # a node uploading to S3 or writing a shared filesystem, GB/s
 SAVE_SHARE_TARGET = 0.01  # saving should cost under 1 % of wall time
 GB = 1e9
@@ -115,6 +136,74 @@ def checkpoint_cost(
     total = params * (WEIGHT_BYTES + EMA_BYTES + ADAMW_BYTES)
     bandwidth = write_gb_per_s_per_node * GB
     return CheckpointCost(total, total / world_size, total / bandwidth, total / nodes / bandwidth)
+
+
+@dataclass(frozen=True)
+class StateUpdate:
+    """HBM bytes each rank's clipping, fused AdamW step and EMA update move per optimizer step."""
+
+    bytes_per_param: float  # per step: the EMA's share divided by its interval
+    params: int
+    world_size: int
+    sharded: bool  # each rank updates 1/world_size of the parameters (FSDP's sharded strategies)
+    parts: tuple[str, ...] = ("clipping norm", "fused AdamW", "EMA lerp")
+
+    @property
+    def params_per_rank(self) -> float:
+        return self.params / self.world_size if self.sharded else float(self.params)
+
+    @property
+    def per_rank_bytes(self) -> float:
+        return self.bytes_per_param * self.params_per_rank
+
+    def seconds(self, memory_tb_s: float) -> float:
+        """Device time at the GPU's memory bandwidth (these kernels do little arithmetic per byte)."""
+        return self.per_rank_bytes / (memory_tb_s * 1e12)
+
+
+def state_update(
+    params: int, world_size: int, strategy: Strategy, clipping: bool, ema_interval: int | None
+) -> StateUpdate:
+    """The module docstring's state update: `ema_interval` in batches, None without an EMA."""
+    adamw = STATE_UPDATE_BYTES["optimizer"] if clipping else ADAMW_BYTES_UNSCALED
+    per_param = adamw + (STATE_UPDATE_BYTES["clipping"] if clipping else 0)
+    if ema_interval:
+        per_param += STATE_UPDATE_BYTES["ema"] / ema_interval
+    sharded = strategy in SHARDED_STRATEGIES and world_size > 1
+    parts = ("clipping norm",) * clipping + ("fused AdamW",) + ("EMA lerp",) * bool(ema_interval)
+    return StateUpdate(per_param, params, world_size, sharded, parts)
+
+
+# A replicated state update worth a note: at least this share of the planned step (issue 30)
+UPDATE_SHARE_NOTED = 0.1
+
+
+def state_update_lines(
+    update: StateUpdate, strategy: Strategy, gpu_type: str, fused: bool, step: tuple[float, str] | None
+) -> tuple[str, str]:
+    """The dry-run plan's line on each rank's state update (HBM bytes, time at `gpu_type`'s bandwidth), and a
+    note where an unsharded one costs UPDATE_SHARE_NOTED or more of the planned `step` (seconds, basis)."""
+    bandwidth = GPU_TABLE[gpu_type].memory_tb_s
+    update_s = update.seconds(bandwidth)
+    world = update.world_size
+    whose = f"1/{world} of the parameters on each rank" if update.sharded else "every parameter on every rank"
+    unfused = "" if fused else "; optimizer.fused=false moves more: make bench counts it"
+    line = (
+        f"state update per rank per step ({' + '.join(update.parts)}, "
+        f"{update.bytes_per_param:g} B a parameter, {whose}): {update.per_rank_bytes / GB:.3f} GB = "
+        f"{update_s * 1000:.2f} ms at the {gpu_type}'s {bandwidth:g} TB/s{unfused}"
+    )
+    if step is None or update.sharded or update_s < UPDATE_SHARE_NOTED * step[0]:
+        return line, ""
+    step_s, basis = step
+    sharded_s = update_s / world
+    return line, (
+        f"{strategy} runs the whole state update on every rank: {update_s * 1000:.1f} ms a step on the "
+        f"{gpu_type}, {update_s / step_s:.0%} of the {step_s * 1000:.1f} ms step at {basis}, against "
+        f"{sharded_s * 1000:.2f} ms under FSDP's SHARD_GRAD_OP: more images per GPU shrink its share; a "
+        f"longer ema.update_interval cuts only the EMA's {STATE_UPDATE_BYTES['ema']} of the "
+        f"{update.bytes_per_param:g} B"
+    )
 
 
 # Issue 30's sixth GPU run (one H200, torch 2.11): sd2-base-256 / -512 as run (FSDP per block, compiled, one

@@ -35,6 +35,9 @@ class GpuSpec:
     on_demand_per_gpu_hour: float  # USD, list price
     reserved_per_gpu_hour: float  # USD, reserved / committed capacity
     memory_gb: float = 0.0  # device memory, GB (1e9 bytes), from the datasheet; sizes the batch per GPU
+    # device memory bandwidth, TB/s, from the datasheet: prices the memory-bound state update per step
+    # (shared/estimate/cluster.py `state_update`)
+    memory_tb_s: float = 0.0
 
 
 # Peak bf16 dense TFLOP/s: NVIDIA A100 datasheet "BFLOAT16 Tensor Core 312 TFLOPS | 624 TFLOPS*" (* = with
@@ -49,11 +52,13 @@ class GpuSpec:
 # until 2025-01-01): p4d $1.844, p5 $4.916, p5e (H200) $5.408. That table has no p4de row: A100-80GB is the
 # p4d rate times the p4de/p4d on-demand ratio (40.9657 / 32.7726 = 1.25). For comparison, MosaicML's
 # published SD2 estimates use $2 / A100-hour.
+# Memory bandwidth: A100 datasheet (SXM) "GPU Memory Bandwidth 1,555GB/s" (40GB) and "2,039GB/s" (80GB); H100
+# SXM datasheet "3.35TB/s"; H200 datasheet "4.8TB/s".
 GPU_TABLE: dict[str, GpuSpec] = {
-    "A100-40GB": GpuSpec("A100-40GB", 312.0, 4.10, 1.844, 40.0),
-    "A100-80GB": GpuSpec("A100-80GB", 312.0, 5.12, 2.31, 80.0),
-    "H100": GpuSpec("H100", 989.0, 12.29, 4.916, 80.0),
-    "H200": GpuSpec("H200", 989.0, 13.38, 5.408, 141.0),
+    "A100-40GB": GpuSpec("A100-40GB", 312.0, 4.10, 1.844, 40.0, 1.555),
+    "A100-80GB": GpuSpec("A100-80GB", 312.0, 5.12, 2.31, 80.0, 2.039),
+    "H100": GpuSpec("H100", 989.0, 12.29, 4.916, 80.0, 3.35),
+    "H200": GpuSpec("H200", 989.0, 13.38, 5.408, 141.0, 4.8),
 }
 
 

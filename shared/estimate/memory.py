@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from shared.estimate.cluster import PRESET_PARAMS
+from shared.estimate.cluster import PRESET_PARAMS, state_update
 from shared.estimate.gpus import GPU_TABLE
 
 Strategy = Literal["DDP", "SHARD_GRAD_OP", "FULL_SHARD", "NO_SHARD"]
@@ -245,11 +245,14 @@ SD2_GRADIENT_TENSORS = 686
 
 def ddp_alternative(gpu_type: str, preset: str, resolution: int, microbatch: int) -> str:
     """For shared/estimate/cluster.py's host_bound_note, where DDP's unsharded state and this microbatch
-    fit `gpu_type`: what fsdp=false keeps on every GPU, the FSDP host work it drops, and its price (full
-    checkpoints: the job writes sharded ones only under FSDP); "" where it does not fit."""
+    fit `gpu_type`: what fsdp=false keeps on every GPU, the FSDP host work it drops, and its price (the
+    whole state update on every GPU, at the recipes' clipping and EMA every step; full checkpoints: the job
+    writes sharded ones only under FSDP); "" where it does not fit."""
     check = memory_check(gpu_type, preset, resolution, microbatch, 1, "DDP")
     if isinstance(check, str) or not check.fits:
         return ""
+    update = state_update(PRESET_PARAMS[preset], 1, "DDP", clipping=True, ema_interval=1)
+    bandwidth = GPU_TABLE[gpu_type].memory_tb_s
     (fsdp_ops, fsdp_calls), (ops, calls) = HOST_TWIN_STEP_FSDP, HOST_TWIN_STEP_UNWRAPPED
     fit = f"{check.used_gb:.1f} GB of {check.memory_gb:g} with {microbatch} images"
     counts = f"{ops:,} ATen ops and {calls:,} Python calls unwrapped, {fsdp_ops:,} and {fsdp_calls:,}"
@@ -257,6 +260,8 @@ def ddp_alternative(gpu_type: str, preset: str, resolution: int, microbatch: int
         f"DDP keeps the whole {check.fit.resident_gb:.1f} GB of state on every GPU ({fit}) without FSDP's "
         f"per-unit host work (a bare step of SD2's module tree on a CPU: {counts} under per-block FSDP; "
         f"DDP adds 2 ops a gradient, its bucket view and a 1/world scaling: {SD2_GRADIENT_TENSORS} kernels; "
-        "not yet timed on a GPU: the bench's no_fsdp variant), and writes full checkpoints, not sharded "
-        "(the cluster line's full-save share)"
+        "not yet timed on a GPU: the bench's no_fsdp variant), but runs the whole state update on every "
+        f"GPU (clipping, fused AdamW, EMA: {update.per_rank_bytes / 1e9:.1f} GB a step, "
+        f"{update.seconds(bandwidth) * 1000:.1f} ms at the {gpu_type}'s {bandwidth:g} TB/s; 1/world of it "
+        "under FSDP), and writes full checkpoints, not sharded (the cluster line's full-save share)"
     )

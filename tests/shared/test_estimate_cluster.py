@@ -105,3 +105,38 @@ def test_host_bound_note_offers_ddp_where_its_unsharded_state_fits_the_gpu() -> 
     assert ddp_alternative("A100-40GB", "sd2-base", 512, 8).startswith("DDP keeps")
     assert ddp_alternative("A100-40GB", "sd2-base", 512, 32) == ""
     assert ddp_alternative("A100-40GB", "tiny", 96, 8) == ""  # no activations measured
+
+
+def test_state_update_is_48_bytes_a_parameter_on_every_rank_under_ddp_and_1_over_w_under_fsdp() -> None:
+    """Issue 30: the clipping norm (4), the fused AdamW step that stores the unscaled gradient (32) and the
+    EMA lerp (12) after every backward; SD2-base: 41.6 GB a step, 8.66 ms at an H200's 4.8 TB/s, 26.7 ms at
+    an A100-40GB's 1.555 TB/s; 1/256 of it under SHARD_GRAD_OP on 256 ranks."""
+    from shared.estimate.cluster import state_update
+    from shared.estimate.gpus import GPU_TABLE
+
+    ddp = state_update(P, 256, "DDP", clipping=True, ema_interval=1)
+    assert (ddp.bytes_per_param, ddp.sharded) == (48, False)
+    assert ddp.per_rank_bytes == pytest.approx(48 * P) == pytest.approx(41.564e9, rel=1e-4)
+    assert ddp.seconds(GPU_TABLE["H200"].memory_tb_s) == pytest.approx(8.659e-3, rel=1e-3)
+    assert ddp.seconds(GPU_TABLE["A100-40GB"].memory_tb_s) == pytest.approx(26.73e-3, rel=1e-3)
+    assert state_update(P, 256, "NO_SHARD", True, 1).per_rank_bytes == ddp.per_rank_bytes
+    for strategy in ("SHARD_GRAD_OP", "FULL_SHARD"):
+        sharded = state_update(P, 256, strategy, True, 1)
+        assert sharded.sharded and sharded.per_rank_bytes == pytest.approx(48 * P / 256)
+    assert not state_update(P, 1, "SHARD_GRAD_OP", True, 1).sharded  # one rank holds everything
+    # no clipping: no norm, and the fused kernel keeps the gradient (28); EMA every 10 batches: 12 / 10
+    assert state_update(P, 8, "DDP", clipping=False, ema_interval=1).bytes_per_param == 40
+    assert state_update(P, 8, "DDP", True, ema_interval=10).bytes_per_param == pytest.approx(37.2)
+    assert state_update(P, 8, "DDP", True, ema_interval=None).bytes_per_param == 36
+    assert ddp.parts == ("clipping norm", "fused AdamW", "EMA lerp")
+    assert state_update(P, 8, "DDP", clipping=False, ema_interval=None).parts == ("fused AdamW",)
+
+
+def test_ddp_alternative_prices_its_replicated_state_update() -> None:
+    from shared.estimate.memory import ddp_alternative
+
+    ddp = ddp_alternative("H200", "sd2-base", 256, 8)
+    assert (
+        "runs the whole state update on every GPU (clipping, fused AdamW, EMA: 41.6 GB a step, 8.7 ms" in ddp
+    )
+    assert "at the H200's 4.8 TB/s; 1/world of it under FSDP)" in ddp

@@ -430,6 +430,12 @@ def test_bench_takes_the_step_apart(bench_run: tuple[dict[str, Any], Path]) -> N
     assert {"step", "clipping", "optimizer", "ema"} <= set(eager["top_level_aten_ops_by_phase"])
     assert {"convolution", "matmul", "normalization", "elementwise"} <= set(eager["aten_ops_by_family"])
     assert positive(eager["bytes_moved"]) and eager["autocast_proxy"]
+    # each rank's state update (clipping, fused AdamW, EMA), counted op by op, is what the dry-run plan
+    # prices per parameter (shared/estimate/cluster.py state_update): DDP's cost on every GPU
+    assert set(eager["bytes_by_phase"]) == {"step", "clipping", "optimizer", "ema"}
+    assert eager["state_update_formula_bytes_per_param"] == 48
+    assert eager["state_update_bytes_per_param"] == pytest.approx(48, rel=0.01)
+    assert any(" B a U-Net parameter counted (the dry-run plan prices 48)" in n for n in result["findings"])
     # under (CPU-proxied) bf16 autocast the norms stay fp32, as CUDA autocast keeps them
     assert positive(eager["fp32_bytes_under_autocast_by_family"]["normalization"])
     compiled = anatomy["compiled"]

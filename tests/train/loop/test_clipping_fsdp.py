@@ -2,6 +2,9 @@
 the job offers, it leaves the gradients and weights FSDP's own `clip_grad_norm_` leaves (to float rounding),
 folded into the fused AdamW step or not, and dispatches the same few ops however many gradients a rank holds
 (FSDP's method: four per gradient, or torch's `clip_grad_norm_` with one `.to` per gradient under NO_SHARD).
+Beside it, each rank's whole state update (clipping, fused AdamW, sharded EMA lerp), counted byte by byte
+as `make bench` counts it: the 48 bytes a parameter shared/estimate/cluster.py `state_update` prices, over
+the rank's own shard under SHARD_GRAD_OP and FULL_SHARD, over every parameter under NO_SHARD (as DDP).
 
 One spawn of 2 ranks runs every case; a failure in a rank fails the test with that rank's traceback.
 """
@@ -21,7 +24,10 @@ from composer.core import Event
 from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
 
+from shared.estimate.cluster import state_update
 from tests.train.loop.test_clipping import top_level_aten_ops
+from train.bench.anatomy.ops import UPDATE_PHASES, DispatchTally, TallyMode
+from train.ema.sharded import ShardedEMAStore
 from train.loop.clipping import GRAD_SCALE, GradNormClipping
 
 RANKS = 2
@@ -109,6 +115,30 @@ def clipping_ops(strategy: str, layers: int) -> tuple[int, int]:
     return counts
 
 
+def state_update_bytes(strategy: str, rank: int) -> tuple[float, int, int]:
+    """Bytes of one clipping + fused AdamW step + EMA lerp on this rank, the parameters it updates, and the
+    model's: 4 Linear(256, 256) units, so the per-tensor scalars (step counts, the norm) are noise."""
+    torch.manual_seed(0)
+    model = wrap(nn.Sequential(*[nn.Linear(256, 256) for _ in range(4)]), strategy)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    clipping, ema = GradNormClipping(MAX_NORM), ShardedEMAStore(model)
+    tally = DispatchTally()
+    for _ in range(2):  # the first builds the optimizer state
+        tally = DispatchTally()
+        model.zero_grad(set_to_none=True)
+        (model(torch.randn(8, 256)) * 10).square().sum().backward()
+        with TallyMode(tally):
+            with tally.label("clipping"):
+                clipping.apply(Event.AFTER_TRAIN_BATCH, state_of(model, opt), logger=None)  # type: ignore[arg-type]
+            with tally.label("optimizer"):
+                opt.step()
+            with tally.label("ema"):
+                ema.lerp(model, 0.99)
+    held = sum(p.numel() for p in model.parameters())  # outside forward and backward: this rank's shard
+    dist.barrier()
+    return sum(tally.bytes_by_phase[phase] for phase in UPDATE_PHASES), held, 4 * (256 * 256 + 256)
+
+
 def rank_main(rank: int, store: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=RANKS)
     try:
@@ -118,10 +148,16 @@ def rank_main(rank: int, store: str) -> None:
             small, large = clipping_ops(strategy, 4), clipping_ops(strategy, 16)
             assert small[0] == large[0] <= 12, f"{strategy}: ours {small[0]} vs {large[0]} ops"
             assert large[1] > 2 * large[0], f"{strategy}: FSDP's own {large[1]} ops vs ours {large[0]}"
+            moved, held, params = state_update_bytes(strategy, rank)
+            update = state_update(params, RANKS, strategy, clipping=True, ema_interval=1)
+            assert held == pytest.approx(update.params_per_rank, rel=0.01), f"{strategy}: {held} of {params}"
+            assert moved == pytest.approx(update.per_rank_bytes, rel=0.01), f"{strategy}: {moved / held} B"
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.timeout(120)
-def test_clipping_under_fsdp_equals_fsdps_own_in_a_fixed_number_of_ops(tmp_path: Path) -> None:
+def test_clipping_under_fsdp_equals_fsdps_own_in_a_fixed_number_of_ops_and_the_update_is_sharded(
+    tmp_path: Path,
+) -> None:
     mp.spawn(rank_main, args=(str(tmp_path / "pg-store"),), nprocs=RANKS, join=True)

@@ -8,7 +8,10 @@ EMA update (train/ema/store.py), each under a `record_function` label so the pro
 
 Counts are the proxies a CPU can improve without a GPU: every top-level ATen op is a kernel launch on a GPU
 (launch overhead dominates SD2 at 256 px), and the compiled step's count shows what inductor fused. Bytes are
-each op's tensor inputs plus outputs (an upper bound on memory traffic: caches and fusion make it less);
+each op's tensor inputs (read) plus what it writes: its new outputs and, by its schema, the inputs it
+mutates (an in-place foreach or fused op returns nothing), an upper bound on memory traffic: caches and
+fusion make it less. By phase, the clipping, optimizer and EMA bytes are each rank's state update, which
+shared/estimate/cluster.py `state_update` prices per parameter;
 "fp32 under autocast" counts the bytes of convolution / matmul / normalization ops whose output stays fp32
 while autocast is on (GroupNorm and LayerNorm do, `model.low_precision_norms` changes that).
 """
@@ -16,7 +19,8 @@ while autocast is on (GroupNorm and LayerNorm do, `model.low_precision_norms` ch
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -32,6 +36,7 @@ from train.loop.clipping import GradNormClipping
 from train.model.diffusion import DiffusionModel
 
 PHASES = ("step", "clipping", "optimizer", "ema")  # "step": zero_grad, forward, loss, backward
+UPDATE_PHASES = PHASES[1:]  # each rank's state update after backward (shared/estimate/cluster.py)
 EMA_SMOOTHING = 0.9999
 # Op families by ATen name (first match wins); anything else computing is "elementwise".
 FAMILY_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -113,6 +118,11 @@ class FullStep:
                 self.ema.lerp(self.model, EMA_SMOOTHING)
 
 
+def fused(optimizer: torch.optim.Optimizer) -> bool:
+    """Every parameter group steps with torch's fused kernel (the state-update formula's AdamW)."""
+    return all(group.get("fused") for group in optimizer.param_groups)
+
+
 # ------------------------------------------------------------------------------------- dispatch counting
 @dataclass
 class DispatchTally:
@@ -121,16 +131,27 @@ class DispatchTally:
     ops: collections.Counter[str] = field(default_factory=collections.Counter)
     bytes_by_family: collections.Counter[str] = field(default_factory=collections.Counter)
     fp32_bytes_by_family: collections.Counter[str] = field(default_factory=collections.Counter)
+    bytes_by_phase: collections.Counter[str] = field(default_factory=collections.Counter)
     autocast_on: bool = False
+    phase: str = PHASES[0]  # FullStep.run's label of the ops being dispatched
 
-    def add(self, op: str, args: Any, out: Any) -> None:
-        family = family_of(op)
+    @contextlib.contextmanager
+    def label(self, phase: str) -> Iterator[None]:
+        """FullStep.run's `label`: the ops dispatched inside count for `phase`."""
+        self.phase, outer = phase, self.phase
+        try:
+            yield
+        finally:
+            self.phase = outer
+
+    def add(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+        family = family_of(str(func))
         self.ops[family] += 1
         if family == "views":
             return
-        tensors = [t for t in torch.utils._pytree.tree_leaves((args, out)) if isinstance(t, torch.Tensor)]
-        moved = sum(t.numel() * t.element_size() for t in tensors)
+        moved = tensor_bytes((args, kwargs)) + written_bytes(func, args, kwargs, out)
         self.bytes_by_family[family] += moved
+        self.bytes_by_phase[self.phase] += moved
         # the primary output: attention kernels also return an fp32 logsumexp whatever their dtype
         outs = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
         if self.autocast_on and family in FP32_WATCHED and outs and outs[0].dtype == torch.float32:
@@ -144,19 +165,56 @@ class DispatchTally:
             "aten_ops_by_family": dict(self.ops.most_common()),
             "bytes_moved": sum(self.bytes_by_family.values()),
             "bytes_by_family": dict(self.bytes_by_family.most_common()),
+            "bytes_by_phase": dict(self.bytes_by_phase),
             "fp32_bytes_under_autocast": sum(self.fp32_bytes_by_family.values()),
             "fp32_bytes_under_autocast_by_family": dict(self.fp32_bytes_by_family.most_common()),
         }
 
 
-class _Tally(TorchDispatchMode):
+def tensor_bytes(tree: Any) -> int:
+    leaves = torch.utils._pytree.tree_leaves(tree)
+    return sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
+
+
+def written_bytes(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> int:
+    """Bytes an op writes: the arguments its schema marks mutable (`Tensor(a!)`, lists too), plus its
+    outputs unless they alias an input (an in-place op returns `self`, already counted as mutated)."""
+    schema = func._schema
+    values = {
+        arg.name: args[i] if i < len(args) else kwargs.get(arg.name) for i, arg in enumerate(schema.arguments)
+    }
+    mutated = 0
+    for arg in schema.arguments:
+        if (
+            arg.alias_info is not None
+            and arg.alias_info.is_write
+            and not _grads_left_unwritten(schema, arg.name, values)
+        ):
+            mutated += tensor_bytes(values[arg.name])
+    if any(ret.alias_info is not None for ret in schema.returns):
+        return mutated
+    return mutated + tensor_bytes(out)
+
+
+def _grads_left_unwritten(schema: Any, name: str, values: dict[str, Any]) -> bool:
+    """torch's fused Adam / AdamW kernels store the gradients they read only when given a grad_scale (they
+    write back the unscaled gradient); their schema marks `grads` mutable either way."""
+    return (
+        schema.name.startswith("aten::_fused_adam") and name == "grads" and values.get("grad_scale") is None
+    )
+
+
+class TallyMode(TorchDispatchMode):
+    """Every ATen op dispatched inside is added to `tally`."""
+
     def __init__(self, tally: DispatchTally):
         super().__init__()
         self.tally = tally
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        self.tally.add(str(func), (args, kwargs), out)
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        self.tally.add(func, args, kwargs, out)
         return out
 
 
@@ -185,8 +243,6 @@ class CudaAutocastPolicy(TorchFunctionMode):
 
 def cpu_autocast_like_cuda() -> AbstractContextManager[Any]:
     """CPU bf16 autocast with CUDA's policy for the norms and attention (CudaAutocastPolicy)."""
-    import contextlib
-
     stack = contextlib.ExitStack()
     stack.enter_context(torch.autocast("cpu", dtype=torch.bfloat16))
     stack.enter_context(CudaAutocastPolicy())
@@ -202,7 +258,7 @@ def dispatch_tally(step: FullStep, cpu_autocast_proxy: bool = False) -> Dispatch
     proxy = cpu_autocast_proxy and step.setup.device.type == "cpu"
     tally = DispatchTally(autocast_on=cuda_amp or proxy)
     region = cpu_autocast_like_cuda() if proxy else nullcontext()
-    with region, _Tally(tally):
-        step.run()
+    with region, TallyMode(tally):
+        step.run(tally.label)
     step.setup.sync()
     return tally

@@ -49,7 +49,26 @@ def eager_findings(res: int, eager: dict[str, Any]) -> list[str]:
         f"upper bound); under autocast {fp32 / 1e9:,.2f} GB of it is convolution / matmul / norm work left "
         "in fp32" + (f" ({', '.join(eager['fp32_bytes_under_autocast_by_family'])})" if fp32 else ""),
     ]
+    if "state_update_bytes_per_param" in eager:
+        lines.append(state_update_finding(res, eager))
     return lines
+
+
+def state_update_finding(res: int, eager: dict[str, Any]) -> str:
+    """Each rank's clipping + optimizer + EMA bytes per parameter, counted, against the planner's formula."""
+    counted, formula = eager["state_update_bytes_per_param"], eager["state_update_formula_bytes_per_param"]
+    by_phase = eager["bytes_by_phase"]
+    parts = ", ".join(
+        f"{phase} {moved / 1e6:,.1f} MB" for phase, moved in by_phase.items() if phase != "step"
+    )
+    against = "no formula: the optimizer is not fused"
+    if formula is not None:
+        flag = "" if abs(counted - formula) <= 0.01 * formula else " - differs: update the planner's table"
+        against = f"the dry-run plan prices {formula:g}{flag}"
+    return (
+        f"anatomy {res} px: state update (each rank's, after backward: {parts}) {counted:.1f} B a U-Net "
+        f"parameter counted ({against}); DDP runs it over every parameter on every GPU, FSDP over 1/world"
+    )
 
 
 def compiled_finding(res: int, eager: dict[str, Any], compiled: dict[str, Any]) -> str:

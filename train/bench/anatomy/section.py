@@ -11,11 +11,19 @@ from typing import Any
 
 import torch
 
+from shared.estimate.cluster import state_update
 from shared.presets import get_preset
 from shared.runtime.device import DeviceSetup
 from train.bench.anatomy.compiled import compile_anatomy, conv_backward_layouts
 from train.bench.anatomy.memory import activation_bytes_per_image, batch_per_gpu
-from train.bench.anatomy.ops import FullStep, cpu_autocast_like_cuda, dispatch_tally
+from train.bench.anatomy.ops import (
+    UPDATE_PHASES,
+    DispatchTally,
+    FullStep,
+    cpu_autocast_like_cuda,
+    dispatch_tally,
+    fused,
+)
 from train.bench.anatomy.profile import profile_steps
 from train.bench.config import BenchConfig
 from train.bench.step import FlopCounts, StepBench, mfu, progress, synthetic_latent_batch, time_calls
@@ -89,7 +97,9 @@ def bench_anatomy(cfg: BenchConfig, recipe: TrainConfig, setup: DeviceSetup) -> 
     step.run()  # optimizer state, allocator
     out: dict[str, Any] = {"resolution": res, "batch_size": batch_size}
     tally = dispatch_tally(step, plan.cpu_autocast_proxy)
-    out["eager"] = tally.to_json() | profile_steps(step, plan.profile_steps)
+    out["eager"] = (
+        tally.to_json() | state_update_counts(step, tally) | profile_steps(step, plan.profile_steps)
+    )
     out["eager"]["autocast_proxy"] = plan.cpu_autocast_proxy and setup.kind == "cpu"
     out["memory"] = memory_section(step, recipe, res, batch_size, cfg.seed)
     if plan.compile_backend:
@@ -106,6 +116,19 @@ def bench_anatomy(cfg: BenchConfig, recipe: TrainConfig, setup: DeviceSetup) -> 
     if plan.conv_layouts:
         out["conv_backward_layouts"] = layout_section(recipe, setup, res, cfg.seed)
     return out
+
+
+def state_update_counts(step: FullStep, tally: DispatchTally) -> dict[str, Any]:
+    """The state update's bytes per U-Net parameter as counted (clipping, optimizer and EMA phases), beside
+    shared/estimate/cluster.py's formula for the same step (EMA every step, as FullStep runs it), which the
+    dry-run plan prices DDP against FSDP with."""
+    params = sum(p.numel() for p in step.model.unet.parameters())
+    counted = sum(tally.bytes_by_phase[phase] for phase in UPDATE_PHASES)
+    formula = state_update(params, 1, "DDP", clipping=step.clipping is not None, ema_interval=1)
+    return {
+        "state_update_bytes_per_param": counted / params,
+        "state_update_formula_bytes_per_param": formula.bytes_per_param if fused(step.optimizer) else None,
+    }
 
 
 def layout_section(recipe: TrainConfig, setup: DeviceSetup, resolution: int, seed: int) -> dict[str, Any]:
