@@ -227,7 +227,7 @@ def cluster_lines(
     batching: Batching,
     write_gb_per_s: float,
     step: tuple[float, str] | None,
-    gpu_type: str = DEFAULT_GPU_TYPE,
+    gpu_type: str,
 ) -> tuple[list[str], list[str]]:
     """Per-step communication, state update, checkpoint size and save time (formulas:
     shared/estimate/cluster.py)."""
