@@ -23,6 +23,8 @@ from shared.estimate.cluster import (
     PRESET_PARAMS,
     PUBLISHED_IMAGES_PER_S_PER_A100,
     SAVE_SHARE_TARGET,
+    StateUpdate,
+    Strategy,
     checkpoint_cost,
     host_bound_note,
     min_interval_for_share,
@@ -31,6 +33,7 @@ from shared.estimate.cluster import (
     state_update_lines,
     step_comm,
     step_seconds,
+    unet_device_seconds,
 )
 from shared.estimate.gpus import GPU_TABLE
 from shared.estimate.memory import ddp_alternative
@@ -105,7 +108,9 @@ def plan_train(
         plan.cluster, notes = cluster_lines(cfg, topology, plan.batching, write_gb_per_s, step, gpu_type)
         plan.notes += notes
         micro = plan.batching.microbatch
-        ddp = ddp_alternative(gpu_type, cfg.model.preset, cfg.data.resolution, micro)
+        params = PRESET_PARAMS.get(cfg.model.preset, 0)
+        update = run_state_update(cfg, topology.world_size, "DDP", params)
+        ddp = ddp_alternative(gpu_type, cfg.model.preset, cfg.data.resolution, micro, update)
         rate = phase.images_per_s_per_gpu if phase else None
         if rate and (host := host_bound_note(bool(cfg.fsdp), micro, rate, ddp)):
             plan.notes.append(host)
@@ -269,10 +274,13 @@ def cluster_lines(
         "full (rank 0) "
         f"{ckpt.full_save_s:.1f} s, sharded {ckpt.sharded_save_s:.2f} s",
     ]
-    ema = time_count(cfg.ema.update_interval) if cfg.ema.enabled else None
-    clipping, fused = cfg.optimizer.grad_clip_norm is not None, cfg.optimizer.fused
-    update = state_update(params, topology.world_size, strategy, clipping, ema)
-    update_line, update_note = state_update_lines(update, strategy, gpu_type, fused, step)
+    update = run_state_update(cfg, topology.world_size, strategy, params)
+    res, images = cfg.data.resolution, batching.per_rank_batch
+    device_s = unet_device_seconds(cfg.model.preset, res, images, gpu_type)
+    what = f"{plural(images, 'image')} at {res} px"
+    update_line, update_note = state_update_lines(
+        update, strategy, gpu_type, cfg.optimizer.fused, device_s, what
+    )
     lines.append(update_line)
     notes += [update_note] if update_note else []
     if step is None or not cfg.save_interval.endswith("ba"):
@@ -297,6 +305,12 @@ def cluster_lines(
             f"save_interval={min_interval_for_share(ckpt.full_save_s, step_s)}ba"
         )
     return lines, notes
+
+
+def run_state_update(cfg: TrainConfig, world: int, strategy: Strategy, params: int) -> StateUpdate:
+    """Each rank's clipping + AdamW + EMA update per step, as this config runs it."""
+    ema = time_count(cfg.ema.update_interval) if cfg.ema.enabled else None
+    return state_update(params, world, strategy, cfg.optimizer.grad_clip_norm is not None, ema)
 
 
 def run_samples(cfg: TrainConfig) -> int | None:

@@ -61,6 +61,11 @@ PRESET_PARAMS = {"sd2-base": 865_910_724, "tiny": 792_964}
 # The best published SD2-base training throughput on A100s (MosaicML, "Training Stable Diffusion from
 # Scratch for <$50k", 2023): images/s per GPU by resolution, ~32 % MFU.
 PUBLISHED_IMAGES_PER_S_PER_A100 = {256: 184.6, 512: 42.2}
+# U-Net train step (forward + backward) per image, GFLOP, by resolution (torch.utils.flop_counter at
+# SD2-base's shapes; NOTES: 543 / 2,413).
+UNET_STEP_GFLOP = {"sd2-base": {256: 543.0, 512: 2413.0}}
+# The MFU a step's device time is priced at where nothing was measured on that GPU: issue 30's 256 px target.
+REFERENCE_MFU = 0.35
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 WEIGHT_BYTES, EMA_BYTES, ADAMW_BYTES = 4, 4, 8  # per parameter, fp32 (AdamW: exp_avg + exp_avg_sq)
 # The state update's HBM bytes per fp32 parameter and step (module doc), counted op by op on the job's step.
@@ -146,7 +151,8 @@ class StateUpdate:
     params: int
     world_size: int
     sharded: bool  # each rank updates 1/world_size of the parameters (FSDP's sharded strategies)
-    parts: tuple[str, ...] = ("clipping norm", "fused AdamW", "EMA lerp")
+    parts: tuple[str, ...]  # what runs: clipping norm, fused AdamW, EMA lerp
+    ema_bytes_per_param: float  # the EMA's share of bytes_per_param
 
     @property
     def params_per_rank(self) -> float:
@@ -166,12 +172,20 @@ def state_update(
 ) -> StateUpdate:
     """The module docstring's state update: `ema_interval` in batches, None without an EMA."""
     adamw = STATE_UPDATE_BYTES["optimizer"] if clipping else ADAMW_BYTES_UNSCALED
-    per_param = adamw + (STATE_UPDATE_BYTES["clipping"] if clipping else 0)
-    if ema_interval:
-        per_param += STATE_UPDATE_BYTES["ema"] / ema_interval
+    ema = STATE_UPDATE_BYTES["ema"] / ema_interval if ema_interval else 0.0
+    per_param = adamw + (STATE_UPDATE_BYTES["clipping"] if clipping else 0) + ema
     sharded = strategy in SHARDED_STRATEGIES and world_size > 1
     parts = ("clipping norm",) * clipping + ("fused AdamW",) + ("EMA lerp",) * bool(ema_interval)
-    return StateUpdate(per_param, params, world_size, sharded, parts)
+    return StateUpdate(per_param, params, world_size, sharded, parts, ema)
+
+
+def unet_device_seconds(preset: str, resolution: int, images: int, gpu_type: str) -> float | None:
+    """The U-Net's forward + backward on `images` at `resolution` on `gpu_type` at REFERENCE_MFU; None
+    where the preset's FLOPs are not known."""
+    gflop = UNET_STEP_GFLOP.get(preset, {}).get(resolution)
+    if gflop is None:
+        return None
+    return images * gflop * 1e9 / (GPU_TABLE[gpu_type].peak_bf16_tflops * 1e12 * REFERENCE_MFU)
 
 
 # A replicated state update worth a note: at least this share of the planned step (issue 30)
@@ -179,30 +193,35 @@ UPDATE_SHARE_NOTED = 0.1
 
 
 def state_update_lines(
-    update: StateUpdate, strategy: Strategy, gpu_type: str, fused: bool, step: tuple[float, str] | None
+    update: StateUpdate, strategy: Strategy, gpu_type: str, fused: bool, device_s: float | None, images: str
 ) -> tuple[str, str]:
     """The dry-run plan's line on each rank's state update (HBM bytes, time at `gpu_type`'s bandwidth), and a
-    note where an unsharded one costs UPDATE_SHARE_NOTED or more of the planned `step` (seconds, basis)."""
+    note where an unsharded one on several ranks costs UPDATE_SHARE_NOTED or more of the U-Net's own device
+    time a step (`device_s`, for `images`: unet_device_seconds) on that GPU."""
     bandwidth = GPU_TABLE[gpu_type].memory_tb_s
     update_s = update.seconds(bandwidth)
     world = update.world_size
     whose = f"1/{world} of the parameters on each rank" if update.sharded else "every parameter on every rank"
-    unfused = "" if fused else "; optimizer.fused=false moves more: make bench counts it"
+    # torch's foreach AdamW makes more passes over the same tensors: 108 B in all (make bench counts it)
+    at_least, unfused = (
+        ("", "") if fused else ("at least ", "; optimizer.fused=false moves more: make bench counts it")
+    )
     line = (
-        f"state update per rank per step ({' + '.join(update.parts)}, "
+        f"state update per rank per step ({' + '.join(update.parts)}, {at_least}"
         f"{update.bytes_per_param:g} B a parameter, {whose}): {update.per_rank_bytes / GB:.3f} GB = "
         f"{update_s * 1000:.2f} ms at the {gpu_type}'s {bandwidth:g} TB/s{unfused}"
     )
-    if step is None or update.sharded or update_s < UPDATE_SHARE_NOTED * step[0]:
+    if device_s is None or update.sharded or world == 1 or update_s < UPDATE_SHARE_NOTED * device_s:
         return line, ""
-    step_s, basis = step
-    sharded_s = update_s / world
+    ema = update.ema_bytes_per_param
+    ema_clause = (
+        f"; a longer ema.update_interval cuts only the EMA's {ema:g} of the {update.bytes_per_param:g} B"
+    )
     return line, (
         f"{strategy} runs the whole state update on every rank: {update_s * 1000:.1f} ms a step on the "
-        f"{gpu_type}, {update_s / step_s:.0%} of the {step_s * 1000:.1f} ms step at {basis}, against "
-        f"{sharded_s * 1000:.2f} ms under FSDP's SHARD_GRAD_OP: more images per GPU shrink its share; a "
-        f"longer ema.update_interval cuts only the EMA's {STATE_UPDATE_BYTES['ema']} of the "
-        f"{update.bytes_per_param:g} B"
+        f"{gpu_type}, {update_s / device_s:.0%} on top of the U-Net's own {device_s * 1000:.1f} ms for "
+        f"{images} at {REFERENCE_MFU:.0%} MFU, against {update_s / world * 1000:.2f} ms under FSDP's "
+        f"SHARD_GRAD_OP: more images per GPU shrink its share{ema_clause if ema else ''}"
     )
 
 

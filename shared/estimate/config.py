@@ -8,6 +8,7 @@ from pathlib import Path
 
 from shared.config import load_config
 from shared.config.values import allowed
+from shared.estimate.cluster import UNET_STEP_GFLOP
 from shared.estimate.gpus import (
     DEFAULT_CONFIG,
     DEFAULT_OUT_DIR,
@@ -141,8 +142,10 @@ class TextCostConfig:
     # Text tower forward per sample: 23 blocks (penultimate layer) x 77 tokens x ~12 x 1024^2 x 2 FLOP plus
     # attention ~ 45 GFLOP (torch.utils.flop_counter at SD2 shapes).
     tower_gflop_per_sample: float = 45.0
-    # U-Net train step (forward + backward) per sample by resolution (NOTES: 543 / 2,413 GFLOP at SD2).
-    unet_step_gflop: dict[str, float] = allowed(default_factory=lambda: {"256": 543.0, "512": 2413.0}, gt=0)
+    # U-Net train step (forward + backward) per sample by resolution (shared/estimate/cluster.py's table).
+    unet_step_gflop: dict[str, float] = allowed(
+        default_factory=lambda: {str(res): g for res, g in UNET_STEP_GFLOP["sd2-base"].items()}, gt=0
+    )
     gpus_per_node: int = allowed(8, ge=1)
 
     def __post_init__(self) -> None:

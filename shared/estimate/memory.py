@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from shared.estimate.cluster import PRESET_PARAMS, state_update
+from shared.estimate.cluster import PRESET_PARAMS, StateUpdate, state_update
 from shared.estimate.gpus import GPU_TABLE
 
 Strategy = Literal["DDP", "SHARD_GRAD_OP", "FULL_SHARD", "NO_SHARD"]
@@ -243,15 +243,17 @@ HOST_TWIN_STEP_UNWRAPPED = (4_942, 8_948)
 SD2_GRADIENT_TENSORS = 686
 
 
-def ddp_alternative(gpu_type: str, preset: str, resolution: int, microbatch: int) -> str:
+def ddp_alternative(
+    gpu_type: str, preset: str, resolution: int, microbatch: int, update: StateUpdate | None = None
+) -> str:
     """For shared/estimate/cluster.py's host_bound_note, where DDP's unsharded state and this microbatch
     fit `gpu_type`: what fsdp=false keeps on every GPU, the FSDP host work it drops, and its price (the
-    whole state update on every GPU, at the recipes' clipping and EMA every step; full checkpoints: the job
-    writes sharded ones only under FSDP); "" where it does not fit."""
+    whole state update on every GPU: `update`, else the recipes' clipping and EMA every step; full
+    checkpoints: the job writes sharded ones only under FSDP); "" where it does not fit."""
     check = memory_check(gpu_type, preset, resolution, microbatch, 1, "DDP")
     if isinstance(check, str) or not check.fits:
         return ""
-    update = state_update(PRESET_PARAMS[preset], 1, "DDP", clipping=True, ema_interval=1)
+    update = update or state_update(PRESET_PARAMS[preset], 1, "DDP", clipping=True, ema_interval=1)
     bandwidth = GPU_TABLE[gpu_type].memory_tb_s
     (fsdp_ops, fsdp_calls), (ops, calls) = HOST_TWIN_STEP_FSDP, HOST_TWIN_STEP_UNWRAPPED
     fit = f"{check.used_gb:.1f} GB of {check.memory_gb:g} with {microbatch} images"
@@ -261,7 +263,7 @@ def ddp_alternative(gpu_type: str, preset: str, resolution: int, microbatch: int
         f"per-unit host work (a bare step of SD2's module tree on a CPU: {counts} under per-block FSDP; "
         f"DDP adds 2 ops a gradient, its bucket view and a 1/world scaling: {SD2_GRADIENT_TENSORS} kernels; "
         "not yet timed on a GPU: the bench's no_fsdp variant), but runs the whole state update on every "
-        f"GPU (clipping, fused AdamW, EMA: {update.per_rank_bytes / 1e9:.1f} GB a step, "
+        f"GPU ({', '.join(update.parts)}: {update.per_rank_bytes / 1e9:.1f} GB a step, "
         f"{update.seconds(bandwidth) * 1000:.1f} ms at the {gpu_type}'s {bandwidth:g} TB/s; 1/world of it "
         "under FSDP), and writes full checkpoints, not sharded (the cluster line's full-save share)"
     )

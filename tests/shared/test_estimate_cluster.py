@@ -130,13 +130,29 @@ def test_state_update_is_48_bytes_a_parameter_on_every_rank_under_ddp_and_1_over
     assert state_update(P, 8, "DDP", True, ema_interval=None).bytes_per_param == 36
     assert ddp.parts == ("clipping norm", "fused AdamW", "EMA lerp")
     assert state_update(P, 8, "DDP", clipping=False, ema_interval=None).parts == ("fused AdamW",)
+    assert state_update(P, 8, "DDP", True, ema_interval=10).ema_bytes_per_param == pytest.approx(1.2)
+    assert all(gpu.memory_tb_s > 0 for gpu in GPU_TABLE.values())
+
+
+def test_one_rank_or_a_sharded_update_gets_no_note_and_an_unknown_preset_no_device_time() -> None:
+    from shared.estimate.cluster import state_update, state_update_lines, unet_device_seconds
+
+    device_s = unet_device_seconds("sd2-base", 256, 8, "H200")
+    assert device_s == pytest.approx(8 * 543e9 / (989e12 * 0.35))
+    assert unet_device_seconds("tiny", 256, 8, "H200") is None
+    assert unet_device_seconds("sd2-base", 768, 8, "H200") is None
+    images = "8 images at 256 px"
+    for update in (state_update(P, 1, "DDP", True, 1), state_update(P, 256, "SHARD_GRAD_OP", True, 1)):
+        line, note = state_update_lines(update, "DDP", "H200", True, device_s, images)
+        assert line.startswith("state update per rank per step") and note == ""
+    line, note = state_update_lines(state_update(P, 8, "DDP", True, 1), "DDP", "H200", True, device_s, images)
+    assert "69% on top of the U-Net's own 12.5 ms for 8 images at 256 px at 35% MFU" in note
 
 
 def test_ddp_alternative_prices_its_replicated_state_update() -> None:
     from shared.estimate.memory import ddp_alternative
 
     ddp = ddp_alternative("H200", "sd2-base", 256, 8)
-    assert (
-        "runs the whole state update on every GPU (clipping, fused AdamW, EMA: 41.6 GB a step, 8.7 ms" in ddp
-    )
+    update = "whole state update on every GPU (clipping norm, fused AdamW, EMA lerp: 41.6 GB a step, 8.7 ms"
+    assert update in ddp
     assert "at the H200's 4.8 TB/s; 1/world of it under FSDP)" in ddp

@@ -1078,8 +1078,9 @@ def test_every_multi_node_spec_uses_the_elastic_c10d_rendezvous(train_yaml: Path
 
 def test_sd2_dry_run_prices_each_ranks_state_update() -> None:
     """Issue 30: the clipping + fused AdamW + EMA update is 48 B a parameter of HBM traffic a step; FSDP's
-    SHARD_GRAD_OP runs 1/256 of it on each rank, DDP all of it on every rank: 26.7 ms on an A100-40GB, 27% of
-    the plan's 98.0 ms step, which gets a note; on an H200 (8.7 ms, under 10% of that step) no note."""
+    SHARD_GRAD_OP runs 1/256 of it on each rank, DDP all of it on every rank: 26.7 ms on an A100-40GB, 8.7 ms
+    on an H200, each about 2/3 of the U-Net's own 8 images at 256 px on that GPU at 35% MFU (39.8 / 12.5 ms,
+    543 GFLOP an image), which gets a note; with the EMA every 10 batches, 37.2 B of which the EMA's 1.2."""
     p = 865_910_724
     base = ("launch", "--config", "sd2-base-256", "--gpus", "256", "--launcher", "slurm", "--dry-run")
     folders = ("data.uri=s3://b/d", "save_folder=s3://b/run")
@@ -1093,13 +1094,20 @@ def test_sd2_dry_run_prices_each_ranks_state_update() -> None:
     code, out = cli(*base, *folders, "fsdp=false")
     assert code == 0, out
     assert f"every parameter on every rank): {48 * p / 1e9:.3f} GB = 26.73 ms at the A100-40GB's" in out
+    device_ms = 8 * 543e9 / (312e12 * 0.35) * 1000
     assert (
-        "DDP runs the whole state update on every rank: 26.7 ms a step on the A100-40GB, 27% of the 98.0 ms"
-        in out
-    )
+        "DDP runs the whole state update on every rank: 26.7 ms a step on the A100-40GB, "
+        f"{26.73 / device_ms:.0%} on top of the U-Net's own {device_ms:.1f} ms for 8 images at 256 px at 35%"
+    ) in out
     code, out = cli(*base, "--gpu-type", "H200", *folders, "fsdp=false", "ema.update_interval=10ba")
     assert code == 0, out
-    assert (
-        "(clipping norm + fused AdamW + EMA lerp, 37.2 B a parameter, every parameter on every rank)" in out
-    )
-    assert "runs the whole state update on every rank" not in out  # 6.7 ms of the 98 ms step
+    assert "(clipping norm + fused AdamW + EMA lerp, 37.2 B a parameter, every parameter on every" in out
+    assert "DDP runs the whole state update on every rank: 6.7 ms a step on the H200, 53% on top of" in out
+    assert "a longer ema.update_interval cuts only the EMA's 1.2 of the 37.2 B" in out
+    code, out = cli(*base, *folders, "fsdp=false", "ema.enabled=false", "optimizer.grad_clip_norm=null")
+    assert code == 0, out
+    assert "state update per rank per step (fused AdamW, 28 B a parameter, every parameter on every" in out
+    assert "ema.update_interval cuts" not in out
+    code, out = cli(*base, *folders, "fsdp=false", "optimizer.fused=false")
+    assert code == 0, out
+    assert "EMA lerp, at least 48 B a parameter" in out and "optimizer.fused=false moves more" in out

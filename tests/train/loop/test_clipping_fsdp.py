@@ -122,7 +122,6 @@ def state_update_bytes(strategy: str, rank: int) -> tuple[float, int, int]:
     model = wrap(nn.Sequential(*[nn.Linear(256, 256) for _ in range(4)]), strategy)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
     clipping, ema = GradNormClipping(MAX_NORM), ShardedEMAStore(model)
-    tally = DispatchTally()
     for _ in range(2):  # the first builds the optimizer state
         tally = DispatchTally()
         model.zero_grad(set_to_none=True)

@@ -8,12 +8,13 @@ EMA update (train/ema/store.py), each under a `record_function` label so the pro
 
 Counts are the proxies a CPU can improve without a GPU: every top-level ATen op is a kernel launch on a GPU
 (launch overhead dominates SD2 at 256 px), and the compiled step's count shows what inductor fused. Bytes are
-each op's tensor inputs (read) plus what it writes: its new outputs and, by its schema, the inputs it
-mutates (an in-place foreach or fused op returns nothing), an upper bound on memory traffic: caches and
-fusion make it less. By phase, the clipping, optimizer and EMA bytes are each rank's state update, which
-shared/estimate/cluster.py `state_update` prices per parameter;
-"fp32 under autocast" counts the bytes of convolution / matmul / normalization ops whose output stays fp32
-while autocast is on (GroupNorm and LayerNorm do, `model.low_precision_norms` changes that).
+each op's tensor arguments (read; an argument it only writes, `out=` or `copy_`'s destination, counts as
+read too) plus what it writes: its new outputs and, by its schema, the arguments it mutates (an in-place
+foreach or fused op returns nothing). An upper bound on memory traffic: caches and fusion make it less.
+By phase, the clipping, optimizer and EMA bytes are each rank's state update, which
+shared/estimate/cluster.py `state_update` prices per parameter. "fp32 under autocast" counts the bytes of
+convolution / matmul / normalization ops whose output stays fp32 while autocast is on (GroupNorm and
+LayerNorm do, `model.low_precision_norms` changes that).
 """
 
 from __future__ import annotations
@@ -177,31 +178,31 @@ def tensor_bytes(tree: Any) -> int:
 
 
 def written_bytes(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> int:
-    """Bytes an op writes: the arguments its schema marks mutable (`Tensor(a!)`, lists too), plus its
-    outputs unless they alias an input (an in-place op returns `self`, already counted as mutated)."""
+    """Bytes an op writes: the arguments its schema marks mutable (`Tensor(a!)`, lists too), plus each of its
+    returns that is new rather than an alias of an input (an in-place op returns `self`, counted as mutated;
+    a view returns memory it did not write)."""
     schema = func._schema
     values = {
         arg.name: args[i] if i < len(args) else kwargs.get(arg.name) for i, arg in enumerate(schema.arguments)
     }
-    mutated = 0
-    for arg in schema.arguments:
-        if (
-            arg.alias_info is not None
-            and arg.alias_info.is_write
-            and not _grads_left_unwritten(schema, arg.name, values)
-        ):
-            mutated += tensor_bytes(values[arg.name])
-    if any(ret.alias_info is not None for ret in schema.returns):
-        return mutated
-    return mutated + tensor_bytes(out)
+    mutated = sum(
+        tensor_bytes(values[arg.name])
+        for arg in schema.arguments
+        if arg.alias_info is not None
+        and arg.alias_info.is_write
+        and not _grads_left_unwritten(schema, arg.name, values)
+    )
+    returns = out if isinstance(out, tuple) else (out,)  # a void op returns None: no return to pair
+    pairs = zip(schema.returns, returns, strict=False)
+    fresh = sum(tensor_bytes(value) for ret, value in pairs if ret.alias_info is None)
+    return mutated + fresh
 
 
 def _grads_left_unwritten(schema: Any, name: str, values: dict[str, Any]) -> bool:
-    """torch's fused Adam / AdamW kernels store the gradients they read only when given a grad_scale (they
-    write back the unscaled gradient); their schema marks `grads` mutable either way."""
-    return (
-        schema.name.startswith("aten::_fused_adam") and name == "grads" and values.get("grad_scale") is None
-    )
+    """torch's fused optimizer kernels (`_fused_adam_`, `_fused_adamw_`, `_fused_sgd_`, `_fused_adagrad_`)
+    store the gradients they read only when given a grad_scale (they write back the unscaled gradient);
+    their schemas mark `grads` mutable either way."""
+    return schema.name.startswith("aten::_fused_") and name == "grads" and values.get("grad_scale") is None
 
 
 class TallyMode(TorchDispatchMode):

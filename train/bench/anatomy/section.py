@@ -120,11 +120,12 @@ def bench_anatomy(cfg: BenchConfig, recipe: TrainConfig, setup: DeviceSetup) -> 
 
 def state_update_counts(step: FullStep, tally: DispatchTally) -> dict[str, Any]:
     """The state update's bytes per U-Net parameter as counted (clipping, optimizer and EMA phases), beside
-    shared/estimate/cluster.py's formula for the same step (EMA every step, as FullStep runs it), which the
+    shared/estimate/cluster.py's formula for the same step (EMA, if any, every step as FullStep runs it), the
     dry-run plan prices DDP against FSDP with."""
     params = sum(p.numel() for p in step.model.unet.parameters())
     counted = sum(tally.bytes_by_phase[phase] for phase in UPDATE_PHASES)
-    formula = state_update(params, 1, "DDP", clipping=step.clipping is not None, ema_interval=1)
+    ema = 1 if step.ema is not None else None
+    formula = state_update(params, 1, "DDP", clipping=step.clipping is not None, ema_interval=ema)
     return {
         "state_update_bytes_per_param": counted / params,
         "state_update_formula_bytes_per_param": formula.bytes_per_param if fused(step.optimizer) else None,
