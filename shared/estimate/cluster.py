@@ -188,7 +188,7 @@ def unet_device_seconds(preset: str, resolution: int, images: int, gpu_type: str
     return images * gflop * 1e9 / (GPU_TABLE[gpu_type].peak_bf16_tflops * 1e12 * REFERENCE_MFU)
 
 
-# A replicated state update worth a note: at least this share of the planned step (issue 30)
+# A replicated state update worth a note: at least this share of the U-Net's own device time a step (issue 30)
 UPDATE_SHARE_NOTED = 0.1
 
 
@@ -213,15 +213,15 @@ def state_update_lines(
     )
     if device_s is None or update.sharded or world == 1 or update_s < UPDATE_SHARE_NOTED * device_s:
         return line, ""
-    ema = update.ema_bytes_per_param
+    ema, total = update.ema_bytes_per_param, update.bytes_per_param
     ema_clause = (
-        f"; a longer ema.update_interval cuts only the EMA's {ema:g} of the {update.bytes_per_param:g} B"
+        f"; a longer ema.update_interval cuts only the EMA's {ema:g} of the {total:g} B" if ema else ""
     )
     return line, (
         f"{strategy} runs the whole state update on every rank: {update_s * 1000:.1f} ms a step on the "
         f"{gpu_type}, {update_s / device_s:.0%} on top of the U-Net's own {device_s * 1000:.1f} ms for "
         f"{images} at {REFERENCE_MFU:.0%} MFU, against {update_s / world * 1000:.2f} ms under FSDP's "
-        f"SHARD_GRAD_OP: more images per GPU shrink its share{ema_clause if ema else ''}"
+        f"SHARD_GRAD_OP: more images per GPU shrink its share{ema_clause}"
     )
 
 

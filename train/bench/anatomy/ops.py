@@ -119,11 +119,6 @@ class FullStep:
                 self.ema.lerp(self.model, EMA_SMOOTHING)
 
 
-def fused(optimizer: torch.optim.Optimizer) -> bool:
-    """Every parameter group steps with torch's fused kernel (the state-update formula's AdamW)."""
-    return all(group.get("fused") for group in optimizer.param_groups)
-
-
 # ------------------------------------------------------------------------------------- dispatch counting
 @dataclass
 class DispatchTally:

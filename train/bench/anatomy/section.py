@@ -22,12 +22,12 @@ from train.bench.anatomy.ops import (
     FullStep,
     cpu_autocast_like_cuda,
     dispatch_tally,
-    fused,
 )
 from train.bench.anatomy.profile import profile_steps
 from train.bench.config import BenchConfig
 from train.bench.step import FlopCounts, StepBench, mfu, progress, synthetic_latent_batch, time_calls
 from train.config import TrainConfig
+from train.loop.clipping import folds_scale
 from train.model.assemble import forget_compiled_code
 from train.model.compile_plan import use_compile
 from train.model.layout import keep_channels_last
@@ -126,9 +126,10 @@ def state_update_counts(step: FullStep, tally: DispatchTally) -> dict[str, Any]:
     counted = sum(tally.bytes_by_phase[phase] for phase in UPDATE_PHASES)
     ema = 1 if step.ema is not None else None
     formula = state_update(params, 1, "DDP", clipping=step.clipping is not None, ema_interval=ema)
+    priced = folds_scale(step.optimizer)  # the formula's AdamW is torch's fused kernel
     return {
         "state_update_bytes_per_param": counted / params,
-        "state_update_formula_bytes_per_param": formula.bytes_per_param if fused(step.optimizer) else None,
+        "state_update_formula_bytes_per_param": formula.bytes_per_param if priced else None,
     }
 
 
