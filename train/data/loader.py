@@ -14,8 +14,8 @@ Stored files are data, not trusted: every index is checked against the manifest 
 counts, shard names that stay inside the folder) before Streaming sees it, local shard files against their
 index entries, and shards written with hashes are verified when first read.
 
-Every random draw of a training sample is derived from (seed, epoch, sample index) — see `sample_seed` — so
-a run resumed mid-epoch sees exactly the draws the uninterrupted run would have.
+Every random draw of a training sample derives from (seed, epoch, sample index, copy of an upsampled sample:
+train/data/copies.py) — see `sample_seed` — so a resumed run sees exactly the draws an uninterrupted one has.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from shared.contract import (
 from shared.manifest import DatasetManifest, Layout, fingerprint, read_manifest
 from shared.runtime.children import die_with_parent
 from train.config import DataConfig
-from train.data import packing
+from train.data import copies, packing
 from train.data.draws import SAMPLE_SEED
 from train.data.shm import also_release, attached_without_exit_hold
 from train.data.streaming_host import DataError, claim_local_dir, streaming_prefix_lock
@@ -51,9 +51,10 @@ _SEED_MASK = (1 << 63) - 1  # a non-negative 63-bit seed: any int64 tensor holds
 STREAM_INDEX = "stream_index"  # int64 batch column: which stream of data.streams a sample came from (0: one)
 
 
-def sample_seed(seed: int, epoch: int, index: int) -> int:
-    """The seed of every random draw for one sample in one epoch: independent of ranks, workers, resumes."""
-    digest = hashlib.blake2b(f"{seed}:{epoch}:{index}".encode(), digest_size=8).digest()
+def sample_seed(seed: int, epoch: int, index: int, copy: int = 0) -> int:
+    """The seed of every random draw of one copy of a sample in one epoch: independent of ranks, resumes."""
+    key = f"{seed}:{epoch}:{index}" + (f":{copy}" if copy else "")
+    digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & _SEED_MASK
 
 
@@ -192,7 +193,7 @@ def _streaming_dataset_class() -> type:
 
     from train.data.mds_reader import decode_train_columns_only, download_patiently, shard_failure
 
-    class LatentStreamingDataset(StreamingDataset):
+    class LatentStreamingDataset(copies.DistinctCopies, StreamingDataset):
         """StreamingDataset whose rows carry only the precomputed columns plus a per-sample seed.
 
         Streaming picks the epoch inside `__iter__` on each worker; `_get_work` is where that value is
@@ -260,7 +261,8 @@ def _streaming_dataset_class() -> type:
             out = {name: torch.from_numpy(row[name].copy()) for name in TRAIN_COLUMNS if name in row}
             # Python ints are collated into one int64 tensor per batch. The step turns each seed into the
             # sample's draws on the device (train/data/draws.py).
-            out[SAMPLE_SEED] = sample_seed(self.sample_seed_base, self.current_epoch, int(sample_id))
+            index, copy = self.copy_of(sample_id)  # which copy of an upsampled sample (train/data/copies.py)
+            out[SAMPLE_SEED] = sample_seed(self.sample_seed_base, self.current_epoch, index, copy)
             # Per-stream sample counts (train/data/stream_counts.py) are taken on the host from this column.
             shard_id, _ = self.spanner[sample_id]
             out[STREAM_INDEX] = int(self.stream_per_shard[shard_id])
