@@ -71,11 +71,22 @@ def test_run_name_is_stable_and_follows_save_folder() -> None:
         ("save_folder=", "save_folder"),
         ("optimizer.nesterov=true", "unknown key"),
         ("save_num_remote_checkpoints_to_keep=0", "save_num_remote_checkpoints_to_keep"),
+        ("data.cache_limit=banana", "data.cache_limit=banana is not a size"),
+        ("data.cache_limit=0gb", "above zero"),  # Streaming reads 0 as no limit at all
+        ("data.cache_limit=1.5b", "kb, mb, gb"),  # Streaming takes whole bytes only
     ],
 )
 def test_bad_configs_name_the_fix(override: str, message: str) -> None:
     with pytest.raises((ConfigError, ValueError), match=message):
         load_config(TrainConfig, "tiny", [override], kind="train")
+
+
+@pytest.mark.parametrize("size", ["500gb", "500 GB", "1.5tb", "0.5gb", "1000000", "1000000b", "64mb"])
+def test_cache_limit_takes_every_size_streaming_reads(size: str) -> None:
+    from streaming.base.util import bytes_to_int
+
+    cfg = load_config(TrainConfig, "tiny", [f"data.cache_limit={size}"], kind="train")
+    assert cfg.data.cache_limit is not None and bytes_to_int(cfg.data.cache_limit) > 0
 
 
 def test_cpu_rejects_amp_but_runs_fsdp_and_channels_last_when_asked() -> None:

@@ -2,12 +2,29 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Literal
 
 from shared.config import ConfigError
 from shared.config.values import allowed
 from train.config.checks import BatchingMethod
+
+# The sizes Streaming reads (streaming.base.util.bytes_to_int, lower-cased): whole bytes with or without "b",
+# or a number with kb ... pb (powers of 1024). Checked here, before any work: the launcher loads this config
+# without importing Streaming (~6 s), and a size Streaming could not read failed every rank with a traceback.
+_SIZE = re.compile(r"(\d+(\.\d*)?\s*[kmgtp]b|\d+b?)")
+
+
+def check_cache_limit(value: str | None) -> None:
+    """data.cache_limit is a size above zero that Streaming reads, or None."""
+    text = str(value).strip().lower()
+    if value is None or (_SIZE.fullmatch(text) and any(digit in text for digit in "123456789")):
+        return
+    raise ConfigError(
+        f"data.cache_limit={value} is not a size above zero: give bytes or a number with kb, mb, gb, tb, pb "
+        "(e.g. data.cache_limit=500gb), or null to keep every downloaded shard"
+    )
 
 
 @dataclass
@@ -105,7 +122,9 @@ class DataConfig:
     # nodes sees the same order. None: the number of physical nodes at the first start.
     num_canonical_nodes: int | None = allowed(None, ge=1)
     predownload: int | None = None  # samples to download ahead per worker; None: Streaming's default
-    cache_limit: str | None = None  # e.g. "200gb": evict the coldest shards above this; None: keep all
+    # e.g. "500gb": a node evicts its coldest shards above this (shared by the node's ranks); None: keep all.
+    # Size it for what a node reads at once (docs/cluster.md); Streaming refuses less than 4 shards.
+    cache_limit: str | None = None
     download_timeout: float = allowed(120.0, gt=0)  # seconds per shard
     num_workers: int = 8  # dataloader worker processes per rank
     prefetch_factor: int = allowed(2, ge=1)  # batches each worker loads ahead (only with num_workers > 0)
@@ -123,6 +142,7 @@ class DataConfig:
             )
         if self.streams:
             check_streams(self.streams, self.epoch_size)
+        check_cache_limit(self.cache_limit)
 
     def is_mix(self) -> bool:
         return bool(self.streams)

@@ -29,21 +29,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shared import storage
-from shared.contract import (
-    SHARD_HASH,
-    TRAIN_COLUMNS,
-    ContractError,
-    IndexSummary,
-    Shapes,
-    check_index,
-)
+from shared.contract import SHARD_HASH, TRAIN_COLUMNS, ContractError, IndexSummary, Shapes, check_index
 from shared.manifest import DatasetManifest, Layout, fingerprint, read_manifest
 from shared.runtime.children import die_with_parent
 from train.config import DataConfig
 from train.data import copies, packing
 from train.data.draws import SAMPLE_SEED
 from train.data.shm import also_release, attached_without_exit_hold
-from train.data.streaming_host import DataError, claim_local_dir, streaming_prefix_lock
+from train.data.streaming_host import DataError, cache_limit_refusal, claim_local_dir, streaming_prefix_lock
 
 log = logging.getLogger(__name__)
 
@@ -203,7 +196,10 @@ def _streaming_dataset_class() -> type:
         """
 
         def __init__(self, *, seed: int, download_patience_s: float | None = None, **kwargs: Any) -> None:
-            super().__init__(**kwargs)
+            try:
+                super().__init__(**kwargs)
+            except ValueError as err:
+                raise cache_limit_refusal(kwargs.get("cache_limit"), err) from None
             decode_train_columns_only(self.shards)
             download_patiently(self.streams, download_patience_s)
             self.sample_seed_base = seed

@@ -46,6 +46,19 @@ class DataError(ValueError):
     """The dataset cannot be streamed as configured; the message names the fix."""
 
 
+def cache_limit_refusal(limit: object, err: ValueError) -> ValueError:
+    """Streaming's refusal of a cache_limit below what the dataset needs (4 of its largest shards, raw and
+    zipped, and its indexes) as a DataError naming the setting; any other ValueError as it is. Streaming
+    raised it in every rank with a traceback."""
+    if not limit or "cache limit" not in str(err).lower():
+        return err
+    return DataError(
+        f"data.cache_limit={limit} is too small for this dataset: {' '.join(str(err).split())} Raise "
+        "data.cache_limit (a node's ranks and workers each read several shards at once: docs/cluster.md), "
+        "or set it to null to keep every downloaded shard"
+    )
+
+
 # ------------------------------------------------------------------------------- local dir ownership
 def claim_local_dir(local: str) -> None:
     """Lock `local` for this process and clear stale Streaming registrations of it left by a killed run.

@@ -71,6 +71,26 @@ def test_missing_version_is_a_clear_error(two_versions: str, tmp_path: Path) -> 
         pinned_for(two_versions, tmp_path, version="v9")
 
 
+@pytest.mark.parametrize(
+    ("limit", "says"), [("1kb", "Minimum cache usage"), ("20kb", "four times the largest")]
+)
+def test_a_cache_limit_below_what_streaming_needs_is_one_error_naming_the_setting(
+    tiny_dataset: str, tmp_path: Path, limit: str, says: str
+) -> None:
+    """Streaming refuses a cache_limit under the dataset's indexes or four of its largest shards; every rank
+    printed its traceback. The refusal is now a DataError (one line on the CLI) naming data.cache_limit."""
+    cfg = DataConfig(
+        uri=tiny_dataset, resolution=64, cache_dir=str(tmp_path), num_workers=0, cache_limit=limit
+    )
+    pinned = pin_version(cfg, read_dataset_manifest(cfg))
+    with pytest.raises(DataError, match=f"data.cache_limit={limit} is too small for this dataset: .*{says}"):
+        build_dataset(cfg, pinned, per_rank_batch=4, seed=5)
+    cfg = DataConfig(
+        uri=tiny_dataset, resolution=64, cache_dir=str(tmp_path / "b"), num_workers=0, cache_limit="64mb"
+    )
+    assert len(list(build_dataset(cfg, pin_version(cfg, read_dataset_manifest(cfg)), 4, seed=5))) == 64
+
+
 def test_rows_hold_only_precomputed_columns_and_a_stable_seed(tiny_dataset: str, tmp_path: Path) -> None:
     def seeds_and_rows(cache: Path) -> tuple[list[int], dict]:
         pinned = pinned_for(tiny_dataset, cache)
