@@ -18,8 +18,10 @@ _SIZE = re.compile(r"(\d+(\.\d*)?\s*[kmgtp]b|\d+b?)")
 
 def check_cache_limit(value: str | None) -> None:
     """data.cache_limit is a size above zero that Streaming reads, or None."""
+    if value is None:
+        return
     text = str(value).strip().lower()
-    if value is None or (_SIZE.fullmatch(text) and any(digit in text for digit in "123456789")):
+    if _SIZE.fullmatch(text) and any(digit in text for digit in "123456789"):  # above zero
         return
     raise ConfigError(
         f"data.cache_limit={value} is not a size above zero: give bytes or a number with kb, mb, gb, tb, pb "

@@ -61,10 +61,7 @@ def encode_copies(
 
 def split_copy(sample_id: int, num_samples: int) -> tuple[int, int]:
     """(sample index, copy) of an id `encode_copies` wrote; an id below `num_samples` is copy 0 of itself."""
-    sample_id = int(sample_id)
-    if sample_id < num_samples:
-        return sample_id, 0
-    copy, index = divmod(sample_id, num_samples)
+    copy, index = divmod(int(sample_id), num_samples)
     return index, copy
 
 
