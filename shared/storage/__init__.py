@@ -109,7 +109,7 @@ def s3_client() -> Any:
     return _client(os.environ.get("S3_ENDPOINT_URL") or None)
 
 
-def _s3_error(err: Exception, uri: str) -> StorageError:
+def s3_error(err: Exception, uri: str) -> StorageError:
     """Our message with botocore's text in it, both redacted: raise it `from None`, since a chained
     botocore exception would print the endpoint's password again in the traceback."""
     endpoint = redact_url(os.environ.get("S3_ENDPOINT_URL"))
@@ -132,7 +132,7 @@ def read_bytes(uri: str) -> bytes:
     except Exception as err:
         if is_missing(err):
             raise FileNotFoundError(f"{uri} does not exist") from err
-        raise _s3_error(err, uri) from None
+        raise s3_error(err, uri) from None
 
 
 def read_json(uri: str) -> Any:
@@ -147,7 +147,7 @@ def write_bytes(uri: str, data: bytes) -> None:
             client = s3_client()
             retried(lambda: client.put_object(Bucket=bucket, Key=key, Body=data), f"writing {uri}", client)
         except Exception as err:
-            raise _s3_error(err, uri) from None
+            raise s3_error(err, uri) from None
         return
     path = Path(uri)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -187,7 +187,7 @@ def exists(uri: str) -> bool:
     except Exception as err:
         if is_missing(err):
             return False
-        raise _s3_error(err, uri) from None
+        raise s3_error(err, uri) from None
 
 
 @dataclass(frozen=True)
@@ -221,7 +221,7 @@ def list_files(prefix: str) -> list[FileInfo]:
                 modified = obj["LastModified"].timestamp() if "LastModified" in obj else 0.0
                 out.append(FileInfo(uri, int(obj["Size"]), str(obj.get("ETag", "")).strip('"'), modified))
     except Exception as err:
-        raise _s3_error(err, prefix) from None
+        raise s3_error(err, prefix) from None
     return sorted(out, key=lambda info: info.uri)
 
 
@@ -242,7 +242,7 @@ def stat(uri: str) -> FileInfo:
     except Exception as err:
         if is_missing(err):
             raise FileNotFoundError(f"{uri} does not exist") from err
-        raise _s3_error(err, uri) from None
+        raise s3_error(err, uri) from None
     return FileInfo(uri, int(head["ContentLength"]), str(head.get("ETag", "")).strip('"'))
 
 
@@ -259,7 +259,7 @@ def open_read(uri: str) -> IO[bytes]:
     except Exception as err:
         if is_missing(err):
             raise FileNotFoundError(f"{uri} does not exist") from err
-        raise _s3_error(err, uri) from None
+        raise s3_error(err, uri) from None
 
 
 def delete(uri: str) -> None:
@@ -270,7 +270,7 @@ def delete(uri: str) -> None:
     try:
         s3_client().delete_object(Bucket=bucket, Key=key)
     except Exception as err:
-        raise _s3_error(err, uri) from None
+        raise s3_error(err, uri) from None
 
 
 def delete_tree(uri: str) -> None:
@@ -303,7 +303,7 @@ def upload_dir(local_dir: str | Path, uri: str) -> None:
         try:
             upload_file(s3_client(), str(path), bucket, dest)
         except Exception as err:
-            raise _s3_error(err, f"{S3_SCHEME}{bucket}/{dest}") from None
+            raise s3_error(err, f"{S3_SCHEME}{bucket}/{dest}") from None
 
 
 def _copy_then_rename(local_dir: Path, target: Path) -> None:
@@ -344,7 +344,7 @@ def download(uri: str, dest: str | Path) -> None:
     except Exception as err:
         if is_missing(err):
             raise FileNotFoundError(f"{uri} does not exist") from err
-        raise _s3_error(err, uri) from None
+        raise s3_error(err, uri) from None
 
 
 def expand_braces(pattern: str) -> list[str]:

@@ -348,5 +348,5 @@ def test_an_outage_is_transient_and_a_refusal_is_not() -> None:
         answered(404, "NoSuchBucket"),
         answered(403, "InvalidAccessKeyId"),
     ]
-    assert [storage._s3_error(err, "s3://b/k").transient for err in outages] == [True] * len(outages)
-    assert [storage._s3_error(err, "s3://b/k").transient for err in refusals] == [False] * len(refusals)
+    assert [storage.s3_error(err, "s3://b/k").transient for err in outages] == [True] * len(outages)
+    assert [storage.s3_error(err, "s3://b/k").transient for err in refusals] == [False] * len(refusals)

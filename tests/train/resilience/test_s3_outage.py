@@ -92,7 +92,9 @@ def test_s3_outages_are_waited_out_or_outlasted_and_resumed(s3_server: S3Server,
         assert launch(data, save, tmp_path, ctl, proxy.endpoint, logs[0], "max_duration=8ba") == 0
         text = logs[0].read_text()
         assert len(proxy.outages) == 1, proxy.outages
-        assert "uploading the checkpoint file" in text and "S3 answered again after" in text
+        # The upload's own requests (botocore's 8 attempts) may carry a 5 s outage; when they do not, the
+        # upload waits it out and says so: "uploading the checkpoint file ...: S3 answered again after".
+        assert "S3 answered again after" not in text or "uploading the checkpoint file" in text, text[-6000:]
         supervisor = [line for line in text.splitlines() if line.startswith("supervisor:")]
         assert not [line for line in supervisor if "restart" in line], supervisor  # waited out: no restart
         # 2
