@@ -11,8 +11,8 @@ outage (train/cli.py: exit 1, the supervisor restarts from the last checkpoint t
 
 Process cost: the uploader spawns its workers (spawn, not fork: the rank holds CUDA), and each worker imports
 the function it runs. Composer's upload function lives in Composer, so every worker imported all of Composer
-and torch: on the tiny run's rank 0, three such processes (two upload workers, one that polls for the files
-`latest` waits on) of ~700 MB resident and ~12 s of CPU each on a 2-core box, per saving rank and restart.
+and torch: on the tiny run's rank 0, three such processes (the upload worker and two that poll for the files
+`latest` waits on) of ~700 MB resident and ~13 s of CPU each on a 2-core box, per saving rank and restart.
 For an s3:// folder the workers now run `upload_to_s3` and `wait_for_files_on_s3` (shared.storage and
 boto3; no torch): ~70 MB and ~1 s of CPU each. Other object stores keep Composer's functions.
 """
@@ -91,7 +91,8 @@ def upload_to_s3(
 
 
 def s3_has(client: Any, bucket: str, key: str) -> bool:
-    """One HEAD: whether the object is there (an error other than "missing" is raised)."""
+    """One HEAD: whether the object is there (an error other than "missing" is raised). Not storage.exists:
+    its own repeats and warnings would sit inside the callers' outage wait and the quiet poll."""
     from shared.storage.errors import is_missing
 
     try:

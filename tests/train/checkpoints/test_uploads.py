@@ -1,7 +1,7 @@
 """Checkpoint uploads to an s3:// save folder (train/checkpoints/uploads.py), through Composer's own
 RemoteUploader with its spawned worker processes and the loopback S3 server: the workers upload what
 Composer's function did (the refusal of an existing object included) without importing torch or Composer,
-which each of them did before (~700 MB and ~12 s of CPU a worker on a 2-core box)."""
+which each of them did before (~700 MB and ~13 s of CPU a worker on a 2-core box)."""
 
 from __future__ import annotations
 
