@@ -8,11 +8,12 @@ before (3) leaves no marker, so the partition is redone from scratch and its fol
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
 import socket
-import threading
+import stat
 import time
 import uuid
 from collections import Counter
@@ -31,11 +32,8 @@ from shared.launch import control
 from shared.manifest import INDEX_NAME, Layout, fingerprint
 from shared.presets import get_preset
 
-# encode/pipeline.py publishes (and so discards) a partition on a background thread while the main thread
-# opens the next partition's writer: the empty-root cleanup in `discard` and a writer creating its folder
-# under that root take turns, or the root could be removed (or recreated without mode 0700) in between.
-_STAGING_LOCK = threading.Lock()
 STALE_STAGING_S = 24 * 3600  # another host's staging folder in a shared output: a day untouched is dead
+_STAGING_TRIES = 20  # each retry needs another process's rmdir in a window of microseconds
 
 
 def staging_root(layout: Layout) -> Path:
@@ -44,6 +42,37 @@ def staging_root(layout: Layout) -> Path:
     if storage.is_s3(layout.root):
         return storage.private_temp_dir("sd-encode-staging", "TMPDIR (the environment variable)")
     return Path(layout.root) / "_staging"
+
+
+def make_staging_folder(layout: Layout, name: str) -> Path:
+    """Create `<staging root>/<name>` for one writer alone.
+
+    The root is shared by every process encoding into this output (Slurm array tasks, hosts on one file
+    system, this process's publishing thread) and each removes it on its way out when it is empty: a
+    removal between the root's creation and our mkdir is retried here, never answered with mkdir(parents=
+    True), which would recreate an S3 output's private root without its mode 0700.
+    """
+    for attempt in range(_STAGING_TRIES):
+        root = staging_root(layout)
+        if not storage.is_s3(layout.root):
+            root.mkdir(parents=True, exist_ok=True)
+        try:
+            (root / name).mkdir()
+            return root / name
+        except FileNotFoundError:
+            if attempt == _STAGING_TRIES - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+def remove_staging_root_if_empty(root: Path) -> None:
+    """rmdir is the whole check: the kernel refuses a folder another writer has just put its folder in,
+    where a listdir-then-rmdir let a task of a Slurm array stop on "Directory not empty" (CI, 2 tasks)."""
+    try:
+        root.rmdir()
+    except OSError as error:
+        if error.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOENT):
+            raise
 
 
 def staging_prefix(layout: Layout, partition_id: str) -> str:
@@ -80,12 +109,17 @@ def remove_stale_staging(layout: Layout, partition_ids: list[str]) -> None:
     and those of a live process (another encode of the same output started beside this one: its staged
     shards were deleted under it, and it stopped with "No such file" halfway), are never touched."""
     root = staging_root(layout)
-    if not root.exists():
+    try:  # another process sharing the root may remove it, or a folder in it, while we look
+        names = os.listdir(root)
+    except FileNotFoundError:
         return
     prefixes = tuple(staging_prefix(layout, pid) for pid in partition_ids)
-    for folder in root.iterdir():
-        ours = folder.name.startswith(prefixes) and folder.is_dir() and not folder.is_symlink()
-        if ours and owner_is_gone(folder.name, time.time() - folder.stat().st_mtime):
+    for folder in (root / name for name in names if name.startswith(prefixes)):
+        try:
+            info = folder.lstat()
+        except FileNotFoundError:
+            continue
+        if stat.S_ISDIR(info.st_mode) and owner_is_gone(folder.name, time.time() - info.st_mtime):
             shutil.rmtree(folder, ignore_errors=True)
 
 
@@ -108,16 +142,13 @@ class PartitionWriter:
         self.finished = False
         self.bucketed = set(cfg.transform.bucket_lists(cfg.filter.max_aspect_ratio))
         self.factor = get_preset(cfg.preset).vae_downsample
-        with _STAGING_LOCK:  # the staging root must not vanish between its check and our mkdir
-            self.staging = (
-                staging_root(layout)
-                / f"{staging_prefix(layout, plan.partition.id)}{staging_owner()}.{uuid.uuid4().hex[:8]}"
-            )
-            self.writers = {
-                (res, None): self._open(self.staging / str(res), shapes[res])
-                for res in shapes
-                if res not in self.bucketed
-            }
+        name = f"{staging_prefix(layout, plan.partition.id)}{staging_owner()}.{uuid.uuid4().hex[:8]}"
+        self.staging = make_staging_folder(layout, name)
+        self.writers = {
+            (res, None): self._open(self.staging / str(res), shapes[res])
+            for res in shapes
+            if res not in self.bucketed
+        }
 
     def _open(self, out: Path, shapes: contract.Shapes) -> Any:
         from streaming import MDSWriter
@@ -230,10 +261,7 @@ class PartitionWriter:
                 writer.finish()
             self.finished = True
         shutil.rmtree(self.staging, ignore_errors=True)
-        parent = self.staging.parent
-        with _STAGING_LOCK:
-            if parent.exists() and not os.listdir(parent):
-                parent.rmdir()
+        remove_staging_root_if_empty(self.staging.parent)
 
 
 def _put_in_place(local: Path, uri: str) -> None:

@@ -135,3 +135,72 @@ def test_rerun_removes_staging_left_by_a_kill_after_the_done_marker(tmp_path: Pa
     (left / str(RES)).mkdir(parents=True)
     run_rank(cfg, RankInfo(0, 1), encoders)
     assert not left.exists()
+
+
+def test_a_staging_root_removed_under_a_new_writer_is_made_again_and_stays_private(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another process's cleanup removed the shared root between its creation and our mkdir: retried,
+    and the S3 root comes back through private_temp_dir (mode 0700), not mkdir(parents=True)."""
+    from encode.process import writer
+
+    monkeypatch.setattr(storage.tempfile, "gettempdir", lambda: str(tmp_path))
+    layout, calls = Layout("s3://bucket/mine"), []
+
+    def removed_once(layout: Layout) -> Path:
+        root = staging_root(layout)
+        if not calls:
+            root.rmdir()
+        calls.append(root)
+        return root
+
+    monkeypatch.setattr(writer, "staging_root", removed_once)
+    folder = writer.make_staging_folder(layout, "p00001.x")
+    assert len(calls) == 2 and folder.is_dir()
+    assert stat.S_IMODE(folder.parent.stat().st_mode) == 0o700
+
+
+def test_the_staging_root_is_removed_only_when_empty(tmp_path: Path) -> None:
+    from encode.process.writer import remove_staging_root_if_empty
+
+    root = tmp_path / "_staging"
+    (root / "another-writers-folder").mkdir(parents=True)
+    remove_staging_root_if_empty(root)
+    assert (root / "another-writers-folder").is_dir()
+    (root / "another-writers-folder").rmdir()
+    remove_staging_root_if_empty(root)
+    assert not root.exists()
+    remove_staging_root_if_empty(root)  # gone already: another process removed it first
+
+
+STAGING_CHURN = """
+import shutil, sys
+from encode.process.writer import make_staging_folder, remove_staging_root_if_empty
+from shared.manifest import Layout
+layout = Layout(sys.argv[1])
+for i in range(300):
+    folder = make_staging_folder(layout, f"{sys.argv[2]}.{i}")
+    (folder / "32").mkdir()
+    shutil.rmtree(folder)
+    remove_staging_root_if_empty(folder.parent)
+"""
+
+
+def test_processes_sharing_a_staging_root_never_trip_over_its_cleanup(tmp_path: Path) -> None:
+    """Two tasks of a Slurm array encoding into one local output: one checked the shared `_staging` root
+    was empty, the other put its folder in it, and the first stopped on "Directory not empty" (CI)."""
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[3]
+    churn = [
+        subprocess.Popen(
+            [sys.executable, "-c", STAGING_CHURN, str(tmp_path / "out"), f"task{task}"],
+            cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        for task in range(3)
+    ]  # fmt: skip
+    for process in churn:
+        output, _ = process.communicate(timeout=120)
+        assert process.returncode == 0, output[-2000:]
+    assert not (tmp_path / "out" / "_staging").exists()
