@@ -49,6 +49,7 @@ from shared.launch.specs import (
     render_template,
 )
 from shared.launch.steps import inside_single_quotes, torchrun_args
+from shared.runtime.exits import torchrun_argv
 from train.cli import app
 from train.launch import launch_command, load_train_config, plan_train
 
@@ -699,9 +700,11 @@ def test_local_launch_runs_two_cpu_ranks(tmp_path: Path) -> None:
     out, env = write_probe(tmp_path)
     step = steps.local_step(_local_plan(tmp_path, LaunchOptions(gpus=2)))
     assert "--standalone" in step.argv  # a free port: parallel runs on one machine never collide
+    # As `train launch` runs it (submit.exec_step): torchrun's own log folder does not outlive it.
     subprocess.run(
-        step.argv, env={**env, **step.env}, check=True, timeout=PROBE_TIMEOUT_S, capture_output=True
-    )
+        torchrun_argv(list(step.argv)), env={**env, **step.env}, check=True, timeout=PROBE_TIMEOUT_S,
+        capture_output=True,
+    )  # fmt: skip
     records = probe_records(out)
     assert [(r["RANK"], r["LOCAL_WORLD_SIZE"], r["NODE_RANK"]) for r in records] == [
         ("0", "2", "0"),
@@ -727,7 +730,8 @@ def test_two_local_node_launches_meet_at_one_rendezvous(tmp_path: Path) -> None:
         )
         assert conf in step.argv
         assert "--local-addr=127.0.0.1" in step.argv  # the ranks get the address, not an FQDN to resolve
-        procs.append(subprocess.Popen(step.argv, env={**env, **step.env}, stderr=subprocess.PIPE, text=True))
+        argv = torchrun_argv(list(step.argv))
+        procs.append(subprocess.Popen(argv, env={**env, **step.env}, stderr=subprocess.PIPE, text=True))
         time.sleep(2 if node_rank == 1 else 0)
     for proc in procs:
         _, err = proc.communicate(timeout=PROBE_TIMEOUT_S)
