@@ -49,9 +49,15 @@ OUT ?= outputs
 # Launch knobs shared by `make train` and `make encode` (see docs/cluster.md).
 GPUS ?=
 LAUNCHER ?= auto
+# MASTER_ADDR / NODE_RANK make this machine one node of a hand-launched run: taken when either is given on
+# make's command line, or when the environment has both. A MASTER_ADDR alone in the environment is what
+# torchrun, a container or a site profile leaves behind, and would turn LAUNCHER=auto's sbatch or kubectl
+# run of several nodes into a local node waiting for the others: ignored (the plan says so where it matters).
+HAND_NODE = $(or $(filter command line,$(origin MASTER_ADDR) $(origin NODE_RANK)),$(and $(MASTER_ADDR),$(NODE_RANK)))
+NODE_FLAGS = $(if $(NODE_RANK),--node-rank $(NODE_RANK)) $(if $(MASTER_ADDR),--master-addr $(MASTER_ADDR))
 LAUNCH_FLAGS = --gpus $(or $(GPUS),1) --launcher $(LAUNCHER) $(if $(NODES),--nodes $(NODES)) \
 	$(if $(GPUS_PER_NODE),--gpus-per-node $(GPUS_PER_NODE)) $(if $(IMAGE),--image $(IMAGE)) \
-	$(if $(filter local auto,$(LAUNCHER)),$(if $(NODE_RANK),--node-rank $(NODE_RANK)) $(if $(MASTER_ADDR),--master-addr $(MASTER_ADDR))) \
+	$(if $(filter local auto,$(LAUNCHER)),$(if $(HAND_NODE),$(NODE_FLAGS))) \
 	$(if $(EFA),--efa) $(if $(EFA_DEVICES),--efa-devices $(EFA_DEVICES)) $(if $(DRY_RUN),--dry-run) $(LAUNCH_ARGS)
 
 .DEFAULT_GOAL := help

@@ -161,11 +161,24 @@ def pick_launcher(options: LaunchOptions) -> tuple[str, str]:
         return "local", ""
     many = plural(nodes, "node")
     if shutil.which("sbatch"):
-        return "slurm", f"{many} and `sbatch` is on PATH"
+        return "slurm", f"{many} and `sbatch` is on PATH{unused_master_addr()}"
     context = kube_context()
     if context:
-        return "k8s", f"{many} and kubectl's current context is {context!r}"
+        return "k8s", f"{many} and kubectl's current context is {context!r}{unused_master_addr()}"
     return "local", ""
+
+
+def unused_master_addr() -> str:
+    """A clause for a plan of several nodes run without --master-addr while MASTER_ADDR is in the
+    environment (torchrun, a container or a site profile leaves it there; the Makefile passes it only with
+    NODE_RANK or from its command line): that it was not used, and how to make this machine a node."""
+    addr = os.environ.get("MASTER_ADDR")
+    if not addr:
+        return ""
+    return (
+        f"; MASTER_ADDR={addr} in the environment is not used alone: for this machine as one node of a "
+        "hand-launched run pass NODE_RANK too, or MASTER_ADDR=.. on make's command line (--master-addr)"
+    )
 
 
 def kube_context() -> str | None:
@@ -307,6 +320,7 @@ def check_local_capacity(topology: Topology, options: LaunchOptions) -> list[str
             f"{nodes} nodes do not fit on this machine: use LAUNCHER=slurm or LAUNCHER=k8s (LAUNCHER=auto "
             "picks one where `sbatch` or `kubectl` is on PATH), or run the same command on each of the "
             f"{nodes} machines with MASTER_ADDR=<node 0's address> (make: MASTER_ADDR=..)"
+            + unused_master_addr()
         )
     if options.node_rank is not None and not 0 <= options.node_rank < topology.nodes:
         raise LaunchError(f"NODE_RANK={options.node_rank} must be in 0..{topology.nodes - 1}")

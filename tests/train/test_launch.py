@@ -50,6 +50,7 @@ from shared.launch.specs import (
 )
 from shared.launch.steps import inside_single_quotes, torchrun_args
 from shared.runtime.exits import torchrun_argv
+from tests.train.conftest import make_command
 from train.cli import app
 from train.launch import launch_command, load_train_config, plan_train
 
@@ -1022,6 +1023,59 @@ def test_auto_launcher_picks_k8s_where_kubectl_has_a_context(
     )
     fake_binary(tmp_path, "kubectl", "exit 1")  # kubectl without a current context
     assert LaunchOptions(16, "auto").launcher == "local"
+
+
+NODE_FLAGS = ("--node-rank", "--master-addr")
+
+
+@pytest.mark.parametrize(
+    ("environ", "variables", "expected"),
+    [
+        ({"MASTER_ADDR": "10.0.0.1"}, [], {}),  # left behind by torchrun or a profile: not a node's
+        ({"NODE_RANK": "1"}, [], {}),
+        (
+            {"MASTER_ADDR": "10.0.0.1", "NODE_RANK": "1"},
+            [],
+            {"--node-rank": "1", "--master-addr": "10.0.0.1"},
+        ),
+        ({"MASTER_ADDR": "10.0.0.1"}, ["NODE_RANK=0"], {"--node-rank": "0", "--master-addr": "10.0.0.1"}),
+        ({}, ["MASTER_ADDR=10.0.0.2"], {"--master-addr": "10.0.0.2"}),
+        ({"MASTER_ADDR": "10.0.0.1"}, ["MASTER_ADDR=10.0.0.2"], {"--master-addr": "10.0.0.2"}),
+        ({"MASTER_ADDR": "10.0.0.1", "NODE_RANK": "1"}, ["LAUNCHER=slurm"], {}),
+    ],
+)
+def test_make_takes_a_node_address_from_its_command_line_or_with_a_node_rank(
+    environ: dict[str, str], variables: list[str], expected: dict[str, str], monkeypatch
+) -> None:
+    """A MASTER_ADDR alone in the environment would make LAUNCHER=auto run several nodes as a local node
+    that waits for the others where sbatch or kubectl would have run them: make passes it only from its
+    command line or with NODE_RANK (a hand-launched node in the environment form docs/cluster.md shows)."""
+    for name in ("MASTER_ADDR", "NODE_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    argv = make_command("train", "GPUS=16", "NODES=2", "DRY_RUN=1", *variables)
+    assert argv[argv.index("launch") :][:2] == ["launch", "--config"]
+    assert {flag: argv[i + 1] for i, flag in enumerate(argv) if flag in NODE_FLAGS} == expected
+
+
+def test_a_plan_of_several_nodes_says_an_environment_master_addr_was_not_used(
+    train_yaml: Path, tmp_path: Path, monkeypatch
+) -> None:
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.1")
+    fake_binary(tmp_path, "sbatch")
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    code, out = cli("launch", "--config", str(train_yaml), "--gpus", "16", "--dry-run", S3_SAVE)
+    assert code == 0, out
+    assert "slurm (LAUNCHER=auto: 2 nodes and `sbatch` is on PATH; MASTER_ADDR=10.0.0.1 in the " in out
+    assert "pass NODE_RANK too, or MASTER_ADDR=.. on make's command line (--master-addr)" in out
+    (tmp_path / "sbatch").unlink()  # nothing to submit to: local, which refuses 2 nodes and says why
+    code, out = cli("launch", "--config", str(train_yaml), "--gpus", "16", "--dry-run", S3_SAVE)
+    assert code == 2 and "2 nodes do not fit on this machine" in out, out
+    assert "MASTER_ADDR=10.0.0.1 in the environment is not used alone" in out
+    code, out = cli("launch", "--config", str(train_yaml), "--gpus", "16", "--dry-run", "--master-addr",
+                    "10.0.0.1", S3_SAVE)  # fmt: skip
+    assert "one node of the elastic rendezvous" in out and "in the environment is not used" not in out, out
 
 
 def test_a_refused_dry_run_still_prints_the_whole_plan(train_yaml: Path, tmp_path: Path, monkeypatch) -> None:
