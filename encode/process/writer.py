@@ -8,6 +8,7 @@ before (3) leaves no marker, so the partition is redone from scratch and its fol
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -53,16 +54,24 @@ def make_staging_folder(layout: Layout, name: str) -> Path:
     True), which would recreate an S3 output's private root without its mode 0700.
     """
     for attempt in range(_STAGING_TRIES):
-        root = staging_root(layout)
-        if not storage.is_s3(layout.root):
-            root.mkdir(parents=True, exist_ok=True)
-        try:
+        try:  # an S3 output's root is checked after its mkdir (private_temp_dir): gone by then is retried too
+            root = staging_root(layout)
+            if not storage.is_s3(layout.root):
+                make_root(root)
             (root / name).mkdir()
             return root / name
         except FileNotFoundError:
             if attempt == _STAGING_TRIES - 1:
                 raise
     raise AssertionError("unreachable")
+
+
+def make_root(root: Path) -> None:
+    """mkdir of a root other processes remove when empty. Not pathlib's exist_ok=True: on EEXIST it asks
+    is_dir() afterwards and raises FileExistsError when the folder was removed in between (CI: one task of
+    three, in a run of 300). Whether the root is still there is the next mkdir's answer."""
+    with contextlib.suppress(FileExistsError):
+        root.mkdir(parents=True)
 
 
 def remove_staging_root_if_empty(root: Path) -> None:

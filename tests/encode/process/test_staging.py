@@ -21,6 +21,7 @@ from shared import contract, storage
 from shared.config import load_config
 from shared.launch import control
 from shared.manifest import Layout
+from shared.storage.safety import NODE_TMPDIR_ENV
 
 RES = 32
 
@@ -177,6 +178,7 @@ STAGING_CHURN = """
 import shutil, sys
 from encode.process.writer import make_staging_folder, remove_staging_root_if_empty
 from shared.manifest import Layout
+from shared.storage.safety import NODE_TMPDIR_ENV
 layout = Layout(sys.argv[1])
 for i in range(300):
     folder = make_staging_folder(layout, f"{sys.argv[2]}.{i}")
@@ -186,21 +188,28 @@ for i in range(300):
 """
 
 
-def test_processes_sharing_a_staging_root_never_trip_over_its_cleanup(tmp_path: Path) -> None:
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_processes_sharing_a_staging_root_never_trip_over_its_cleanup(tmp_path: Path, where: str) -> None:
     """Two tasks of a Slurm array encoding into one local output: one checked the shared `_staging` root
-    was empty, the other put its folder in it, and the first stopped on "Directory not empty" (CI)."""
+    was empty, the other put its folder in it, and the first stopped on "Directory not empty" (CI); then
+    one found the root there at its mkdir and gone at pathlib's is_dir() after it (CI again). S3 outputs
+    share one private root in the temp folder (no S3 request is made here)."""
     import subprocess
     import sys
 
     repo = Path(__file__).resolve().parents[3]
+    output = str(tmp_path / "out") if where == "local" else "s3://bucket/out"
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    env = {key: value for key, value in os.environ.items() if key != NODE_TMPDIR_ENV}
     churn = [
         subprocess.Popen(
-            [sys.executable, "-c", STAGING_CHURN, str(tmp_path / "out"), f"task{task}"],
-            cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            [sys.executable, "-c", STAGING_CHURN, output, f"task{task}"], cwd=repo,
+            env={**env, "TMPDIR": str(temp)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )
         for task in range(3)
     ]  # fmt: skip
     for process in churn:
-        output, _ = process.communicate(timeout=120)
-        assert process.returncode == 0, output[-2000:]
-    assert not (tmp_path / "out" / "_staging").exists()
+        output_text, _ = process.communicate(timeout=120)
+        assert process.returncode == 0, output_text[-2000:]
+    assert not (tmp_path / "out" / "_staging").exists() and not list(temp.iterdir())
