@@ -35,6 +35,9 @@ from tests.leftovers import Alone, run_alone, short_folder
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PYTHON = sys.executable
+# torchrun as `train launch` runs it (shared/runtime/exits.py): one line for ranks that stopped on purpose
+# instead of torch's traceback box, and its log folder (<tmp>/torchelastic_*) removed when it ends.
+TORCHRUN = (PYTHON, "-m", "shared.runtime.exits")
 
 
 @functools.lru_cache(maxsize=2)

@@ -27,7 +27,6 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -36,6 +35,7 @@ from safetensors.torch import load_file
 
 from tests.train.conftest import (
     REPO_ROOT,
+    TORCHRUN,
     single_threaded_torch,
     tiny_config,
     tiny_overrides,
@@ -66,7 +66,7 @@ def two_ranks(data: str, save: Path, max_batches: int, *extra: str) -> str:
     cache = save.parent / f"cache-{save.name}"
     overrides = tiny_overrides(data, save, cache, f"max_duration={max_batches}ba")
     argv = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1", "--nproc-per-node=2",
+        *TORCHRUN, "--standalone", "--nnodes=1", "--nproc-per-node=2",
         "-m", "train", "fit", "tiny", *overrides, *SETTINGS, *extra,
     ]  # fmt: skip
     # torchrun does not set NODE_RANK, which Composer reads when it loads a checkpoint on several ranks.

@@ -15,7 +15,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -32,7 +31,7 @@ from tests.train.checkpoints.test_resume_ranks import (
     final_state,
     seed_save_folder,
 )
-from tests.train.conftest import REPO_ROOT, run_train_cli, stream_overrides, tiny_overrides
+from tests.train.conftest import REPO_ROOT, TORCHRUN, run_train_cli, stream_overrides, tiny_overrides
 from train.data.stream_counts import METRIC_PREFIX
 
 RUN_TIMEOUT_S = 300
@@ -49,7 +48,7 @@ def overrides(a: str, b: str, save: Path, max_batches: int) -> list[str]:
 
 def train_ranks(ranks: int, args: list[str], log: Path) -> None:
     argv = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
+        *TORCHRUN, "--standalone", "--nnodes=1",
         f"--nproc-per-node={ranks}", "-m", "train", "fit", "tiny", *args,
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "NODE_RANK": "0"}

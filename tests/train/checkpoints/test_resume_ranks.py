@@ -15,7 +15,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +25,7 @@ from safetensors.torch import load_file
 
 from tests.train.conftest import (
     REPO_ROOT,
+    TORCHRUN,
     single_threaded_torch,
     tiny_config,
     tiny_overrides,
@@ -51,7 +51,7 @@ def train_ranks(ranks: int, data: str, save: Path, max_batches: int, log: Path) 
         data, save, save.parent / f"cache-{save.name}", f"max_duration={max_batches}ba"
     )
     argv = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
+        *TORCHRUN, "--standalone", "--nnodes=1",
         f"--nproc-per-node={ranks}", "-m", "train", "fit", "tiny", *overrides, *SETTINGS,
     ]  # fmt: skip
     # torchrun does not set NODE_RANK, which Composer reads when it loads a checkpoint on several ranks.

@@ -7,12 +7,11 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.train.conftest import REPO_ROOT, tiny_overrides
+from tests.train.conftest import REPO_ROOT, TORCHRUN, tiny_overrides
 from train.eval.checkpoint import evaluate_checkpoint
 
 RUN_TIMEOUT_S = 300
@@ -28,7 +27,7 @@ def test_two_ranks_log_what_one_process_computes(
     save = tmp_path / "save"
     overrides = tiny_overrides(tiny_dataset, save, tmp_path / "cache", "max_duration=4ba")
     argv = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1", "--nproc-per-node=2",
+        *TORCHRUN, "--standalone", "--nnodes=1", "--nproc-per-node=2",
         "-m", "train", "fit", "tiny", *overrides, "samples.enabled=false", "save_interval=2ba",
         "ema.smoothing=0.9", f"eval.uri={tiny_dataset_b}", *EVAL,
     ]  # fmt: skip

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from shared.runtime.exits import DEBUG_ENV
-from tests.train.conftest import REPO_ROOT
+from tests.train.conftest import REPO_ROOT, TORCHRUN
 from train.eval.images import ImageEvalSpec, generate, load_pipeline, load_prompts, run_eval_images
 
 NUM_IMAGES = 4
@@ -114,7 +114,7 @@ def test_two_ranks_split_the_prompts(
     single-process ones bit for bit, and rank 0 alone writes metrics.json."""
     out = tmp_path / "ranks"
     argv = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1", "--nproc-per-node=2",
+        *TORCHRUN, "--standalone", "--nnodes=1", "--nproc-per-node=2",
         "-m", "train", "eval-images", exported_model, "--prompts-from", str(prompts_file),
         "--reference", reference_images, "--num-images", "3", "--guidance", "2", "--steps", str(STEPS),
         "--inception-weights", inception_weights, "--clip-model", clip_model, "--out", str(out),

@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +14,7 @@ import pytest
 
 from shared.config import ConfigError, load_config
 from shared.estimate.cluster import PRESET_PARAMS
-from tests.train.conftest import REPO_ROOT, tiny_overrides, write_fake_dataset
+from tests.train.conftest import REPO_ROOT, TORCHRUN, tiny_overrides, write_fake_dataset
 from train.config import TrainConfig
 from train.model.compile_plan import MB, compile_plan_line, ddp_graphs
 
@@ -59,7 +58,7 @@ def test_ddp_splits_the_compiled_unet_at_the_bucket_size_the_run_asks_for(tmp_pa
         "compile_backend=aot_eager",
     ]
     argv = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1", "--nproc-per-node=2",
+        *TORCHRUN, "--standalone", "--nnodes=1", "--nproc-per-node=2",
         "-m", "train", "fit", "tiny", *overrides, "ddp_bucket_cap_mb=1", "ddp_reduce_dtype=bf16",
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "NODE_RANK": "0"}

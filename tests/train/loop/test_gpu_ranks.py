@@ -14,13 +14,12 @@ import json
 import math
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.train.conftest import REPO_ROOT, tiny_overrides
+from tests.train.conftest import REPO_ROOT, TORCHRUN, tiny_overrides
 from train.checkpoints.files import LATEST_NAME, is_sharded_checkpoint
 from train.export.pipeline import export_pipeline
 
@@ -36,7 +35,7 @@ PRODUCTION = [
 
 def train(ranks: int, data: str, save: Path, *extra: str) -> None:
     overrides = [*tiny_overrides(data, save, save.parent / f"cache-{ranks}"), *PRODUCTION, *extra]
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1"]
+    launcher = [*TORCHRUN, "--standalone", "--nnodes=1"]
     argv = [*launcher, f"--nproc-per-node={ranks}", "-m", "train", "fit", "tiny", *overrides]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "NODE_RANK": "0"}
     if ranks == 1:
