@@ -178,7 +178,6 @@ STAGING_CHURN = """
 import shutil, sys
 from encode.process.writer import make_staging_folder, remove_staging_root_if_empty
 from shared.manifest import Layout
-from shared.storage.safety import NODE_TMPDIR_ENV
 layout = Layout(sys.argv[1])
 for i in range(300):
     folder = make_staging_folder(layout, f"{sys.argv[2]}.{i}")
