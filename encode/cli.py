@@ -50,7 +50,9 @@ def load(dataset: str, overrides: list[str] | None) -> EncodeConfig:
 
 def classify(err: BaseException) -> Stop | None:
     """Expected stops (shared/runtime/exits.py): problems the user fixes (a bad config, a wrong path, missing
-    credentials, a contract mismatch) exit 2 with one line; unfinished partitions at publish exit 1."""
+    credentials, a contract mismatch, another live run of the same ranks) exit 2 with one line; unfinished
+    partitions at publish exit 1."""
+    from encode.plan.claims import OutputInUseError
     from encode.publish.finalize import NotFinishedError
     from encode.sources import SourceError
     from shared.contract import ContractError
@@ -58,7 +60,8 @@ def classify(err: BaseException) -> Stop | None:
 
     if isinstance(err, NotFinishedError):
         return Stop(1, prefix="")
-    if isinstance(err, (FileNotFoundError, SourceError, StorageError, ConfigError, ContractError)):
+    user_fixes = (FileNotFoundError, SourceError, StorageError, ConfigError, ContractError, OutputInUseError)
+    if isinstance(err, user_fixes):
         return Stop(2)
     return path_problem(err)
 
@@ -74,10 +77,12 @@ def run(
 ) -> None:
     """Encode this rank's unfinished partitions; rank 0 then publishes the dataset version."""
     from encode.pipeline import RankInfo, run_rank
-    from encode.process.encoders import load_encoders
+    from encode.plan.claims import claimed_rank
+    from encode.process.encoders import load_encoders, pick_encode_device
     from encode.publish.finalize import publish
     from encode.report import print_publish, print_rank
     from encode.sources import list_partitions
+    from shared.manifest import Layout
     from shared.runtime.device import unused_gpus_warning
 
     setup_logging()
@@ -88,15 +93,18 @@ def run(
         typer.secho(warning, err=True, fg="yellow", bold=True)
     start = time.perf_counter()
     partitions = list_partitions(cfg.source)  # a wrong path fails here, before the models load
-    encoders = load_encoders(cfg)
-    summary = run_rank(cfg, rank, encoders, partitions)
-    print_rank(summary)
-    joined = wait_for_all_ranks(rank.world_size)
-    if summary.failed:
-        raise typer.Exit(1)
-    if rank.rank == 0 and (rank.world_size == 1 or joined):
-        result = publish(cfg, encoders)
-        print_publish(result, cfg, time.perf_counter() - start)
+    pick_encode_device(cfg)  # a node that sees no GPU stops here, before it claims or writes anything
+    # Claimed before the models load: a second run of the same ranks stops here, naming the first.
+    with claimed_rank(Layout(cfg.output.uri), rank.rank, rank.world_size, f"encode {cfg.name}"):
+        encoders = load_encoders(cfg)
+        summary = run_rank(cfg, rank, encoders, partitions)
+        print_rank(summary)
+        joined = wait_for_all_ranks(rank.world_size)
+        if summary.failed:
+            raise typer.Exit(1)
+        if rank.rank == 0 and (rank.world_size == 1 or joined):
+            result = publish(cfg, encoders)
+            print_publish(result, cfg, time.perf_counter() - start)
 
 
 def stop_on_sigterm(signum: int, frame: object) -> None:

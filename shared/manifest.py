@@ -8,6 +8,7 @@
     <root>/versions/<vid>/<res>/<HxW>/index.json   a bucketed resolution (encode transform.buckets): one
     <root>/<res>/<partition>-<fp>/<HxW>/shard.*    index per bucket, shards in a sub-folder per bucket
     <root>/_parts/<partition>/<recipe>.json    done-markers: what produced a partition, and its counts
+    <root>/_claims/rank-<R>-of-<W>.json        a live `encode run` rank's claim (encode/plan/claims.py)
 
 Shards live under `<root>/<res>/` so every index (current or older version) names them by a relative path
 below its stream root; train places the wanted version's index into its local cache before streaming.
@@ -77,6 +78,9 @@ class Layout:
 
     def parts_dir(self) -> str:
         return storage.join(self.root, "_parts")
+
+    def claims_dir(self) -> str:
+        return storage.join(self.root, "_claims")
 
     def done_marker(self, partition: str, recipe: str) -> str:
         return storage.join(self.parts_dir(), partition, f"{recipe}.json")

@@ -223,13 +223,19 @@ class Encoders:
             return self.text.encode([""]).float().cpu().numpy()[0].astype(contract.TEXT_DTYPE)
 
 
-def load_encoders(cfg: EncodeConfig) -> Encoders:
-    preset = get_preset(cfg.preset)
+def pick_encode_device(cfg: EncodeConfig) -> torch.device:
+    """`encoder.device` on this rank. A node of a job on several whose GPUs are not seen would encode its
+    share on the CPU, for days, while every other rank waits for it at the end: refused (DeviceError) before
+    anything is claimed or loaded, naming both fixes."""
     device = pick_torch_device(cfg.encoder.device)
-    # A node of a job on several whose GPUs are not seen would encode its share on the CPU, for days, while
-    # every other rank waits for it at the end: refused before the models load, naming both fixes.
     kind = "gpu" if device.type == "cuda" else "cpu"
     check_node_sees_gpu(cfg.encoder.device, kind, nodes_in_launch(), flag="encoder.device=")
+    return device
+
+
+def load_encoders(cfg: EncodeConfig) -> Encoders:
+    preset = get_preset(cfg.preset)
+    device = pick_encode_device(cfg)
     vae = build_vae(preset, cfg.encoder.pretrained)
     text = build_text_encoder(
         preset, cfg.encoder.text_backend, cfg.encoder.pretrained, cfg.encoder.open_clip_checkpoint

@@ -13,23 +13,21 @@ claiming process is gone (same host: its pid and start time); or when the claim 
 OWNER_TTL_S (another host: it renews every OWNER_REFRESH_S while it trains). Otherwise the run stops before
 it reads a checkpoint, naming the claimant and how to go on. Released at close. Two runs starting at the
 same instant both write; each reads the claim back after a moment, and the one whose claim did not stay
-stops.
+stops. The claim itself (who may take it, writing, reading back, releasing) is shared/claims.py's, which
+encode's rank claims use too.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import socket
 import time
-from dataclasses import asdict, dataclass
 
 from composer.core import Callback, State
 from composer.loggers import Logger
 from composer.utils import dist
 
-from shared import storage
-from shared.launch import control
+from shared import claims, storage
+from shared.claims import SETTLE_S, Claim, this_claim
 from shared.runtime.background import CLOSE_WAIT_S, BackgroundJob
 
 log = logging.getLogger(__name__)
@@ -37,66 +35,19 @@ log = logging.getLogger(__name__)
 OWNER_FILENAME = ".run-owner.json"
 OWNER_REFRESH_S = 120.0
 OWNER_TTL_S = 600.0  # five renewals: a few slow or failed writes (an S3 hiccup) never lapse a live claim
-SETTLE_S = 0.5  # before reading a fresh claim back: another run's write at the same instant lands by then
 
 
 class SaveFolderInUseError(RuntimeError):
     """Another live run trains into this save folder; the message names it and the ways on."""
 
 
-@dataclass(frozen=True)
-class Claim:
-    host: str
-    pid: int
-    start: int  # the process's start (clock ticks since boot, shared/launch/control.py process_start)
-    launch: str  # what stays the same across restarts of one launch ("" without one)
-    run_name: str
-    written: float  # unix seconds
-
-    def same_owner(self, other: Claim) -> bool:
-        return (self.host, self.pid, self.start) == (other.host, other.pid, other.start)
-
-
-def launch_id() -> str:
-    """The id restarts of this launch share: the Slurm job (a requeue keeps it), torchrun's rendezvous id on
-    several nodes (the launcher's --rdzv-id: every node and every elastic restart), the supervisor's control
-    folder on one (each restart runs a new torchrun, whose own id is new each time); "" otherwise."""
-    if job := os.environ.get("SLURM_JOB_ID"):
-        return f"slurm:{job}"
-    if int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1 and (rdzv := os.environ.get("TORCHELASTIC_RUN_ID")):
-        return f"rdzv:{rdzv}"
-    if folder := control.control_dir():
-        return f"supervisor:{socket.gethostname()}:{folder}"
-    return ""
-
-
-def this_claim(run_name: str) -> Claim:
-    pid = os.getpid()
-    return Claim(
-        socket.gethostname(), pid, control.process_start(pid) or 0, launch_id(), run_name, time.time()
-    )
-
-
 def read_claim(save_folder: str) -> Claim | None:
-    try:
-        raw = storage.read_json(storage.join(save_folder, OWNER_FILENAME))
-        return Claim(**{name: raw[name] for name in Claim.__dataclass_fields__})
-    except FileNotFoundError:
-        return None
-    except (ValueError, KeyError, TypeError):  # damaged or written by something else: not a live claim
-        return None
+    return claims.read_claim(storage.join(save_folder, OWNER_FILENAME))
 
 
 def why_taken(claim: Claim, mine: Claim, now: float) -> str | None:
     """Why `claim` keeps this run out of the folder, or None when this run may take it."""
-    if claim.same_owner(mine) or (claim.launch and claim.launch == mine.launch):
-        return None
-    if claim.host == mine.host:
-        return f"pid {claim.pid} on this host" if control.is_running(claim.pid, claim.start) else None
-    if now - claim.written > OWNER_TTL_S:
-        return None
-    ago = now - claim.written
-    return f"a process on host {claim.host} (pid {claim.pid}), which renewed its claim {ago:.0f} s ago"
+    return claims.why_taken(claim, mine, now, OWNER_TTL_S)
 
 
 def claim_save_folder(
@@ -123,7 +74,7 @@ class SaveFolderOwner(Callback):
 
     def take(self, settle_s: float) -> None:
         mine = this_claim(self.run_name)
-        claim = read_claim(self.save_folder)
+        claim = claims.read_claim(self.uri)
         taken = None if claim is None else why_taken(claim, mine, time.time())
         if claim is not None and taken is not None:
             raise SaveFolderInUseError(
@@ -132,10 +83,8 @@ class SaveFolderOwner(Callback):
                 f"claim whose run is gone lapses {OWNER_TTL_S:.0f} s after its last renewal (or remove "
                 f"{self.uri})"
             )
-        self.write(mine)
-        time.sleep(settle_s)
-        back = read_claim(self.save_folder)
-        if back is None or not back.same_owner(mine):
+        stayed, back = claims.write_and_read_back(self.uri, mine, settle_s)
+        if not stayed:
             other = "another run" if back is None else f"{back.run_name} (host {back.host}, pid {back.pid})"
             raise SaveFolderInUseError(
                 f"{other} started into save_folder {self.save_folder} at the same time as this one: stop one "
@@ -144,14 +93,11 @@ class SaveFolderOwner(Callback):
         self.mine = mine
         self.next_renewal = time.monotonic() + OWNER_REFRESH_S
 
-    def write(self, claim: Claim) -> None:
-        storage.write_json(self.uri, asdict(claim))
-
     def renew(self) -> None:
         if self.mine is None:
             return
         try:
-            self.write(Claim(**{**asdict(self.mine), "written": time.time()}))
+            claims.write_claim(self.uri, self.mine.renewed())
         except OSError as err:  # an S3 hiccup: the claim lasts OWNER_TTL_S, the next renewal comes first
             log.warning("could not renew the claim on %s (trying again later): %s", self.save_folder, err)
 
@@ -163,11 +109,8 @@ class SaveFolderOwner(Callback):
     def release(self) -> None:
         """Remove the claim if it is still this run's (a run that took over a lapsed claim keeps its own)."""
         mine, self.mine = self.mine, None
-        if mine is None:
-            return
-        claim = read_claim(self.save_folder)
-        if claim is not None and claim.same_owner(mine):
-            storage.delete(self.uri)
+        if mine is not None:
+            claims.release_if_mine(self.uri, mine)
 
     def post_close(self) -> None:
         if self.mine is not None and not self.renewing.last(self.release, timeout_s=self.close_wait_s):

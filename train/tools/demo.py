@@ -90,17 +90,20 @@ def build_data(paths: DemoPaths) -> Path:
 def encode_data(paths: DemoPaths, source: Path, dataset: str = "sample") -> None:
     from encode.config import EncodeConfig
     from encode.pipeline import RankInfo, run_rank
+    from encode.plan.claims import claimed_rank
     from encode.process.encoders import load_encoders
     from encode.publish.finalize import publish
     from encode.report import print_publish, print_rank
+    from shared.manifest import Layout
 
     start = time.perf_counter()
     cfg = load_config(
         EncodeConfig, dataset, [f"source.uri={source}", f"output.uri={paths.encoded}"], kind="datasets"
     )
-    encoders = load_encoders(cfg)
-    print_rank(run_rank(cfg, RankInfo(0, 1), encoders))
-    print_publish(publish(cfg, encoders), cfg, time.perf_counter() - start)
+    with claimed_rank(Layout(cfg.output.uri), 0, 1, f"encode {cfg.name} (make demo)"):
+        encoders = load_encoders(cfg)
+        print_rank(run_rank(cfg, RankInfo(0, 1), encoders))
+        print_publish(publish(cfg, encoders), cfg, time.perf_counter() - start)
 
 
 def train_model(paths: DemoPaths, max_duration: str | None) -> None:
