@@ -119,6 +119,19 @@ def load_reuse_table(
     A folder the contract does not allow is skipped with a warning: its rows are encoded again.
     """
     table = ReuseTable()
+    try:
+        fill_reuse_table(table, sources, shapes_for)
+    except BaseException:  # an outage mid-copy, a Ctrl-C: the copies made so far go, not left in TMPDIR
+        table.close()
+        raise
+    return table
+
+
+def fill_reuse_table(
+    table: ReuseTable,
+    sources: Sequence[ReuseSource],
+    shapes_for: Callable[[int, Any], contract.Shapes] | None,
+) -> None:
     scratch = tempfile.mkdtemp(prefix="reuse-")  # decompressed shards, one folder a source
     table._tmpdirs.append(scratch)
     for number, source in enumerate(sources):
@@ -139,7 +152,6 @@ def load_reuse_table(
                     table.text[key] = (row[contract.CAPTION], (reader, idx))
                 if source.latents:
                     table.latents.setdefault(source.resolution, {}).setdefault(key, (reader, idx))
-    return table
 
 
 def _local_copy(uri: str, table: ReuseTable) -> str | None:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import yaml
 
+from shared import storage
 from shared.config import config_to_dict
 from shared.runtime.device import host_cpu_name
 from shared.storage.transfers import libraries_retry_like_us
@@ -143,11 +144,31 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
     composer_names_the_cpu_in_process()
     wait_for_s3(cfg)  # a start during an S3 outage waits it out before it reads anything
     owner = claim_save_folder(cfg.save_folder, cfg.resolved_run_name(), cfg.resilience.close_wait_s())
+    temp_before = temp_entries()
     try:
         return assemble_trainer(cfg, owner)
     except BaseException:
         owner.release_now()
+        remove_checkpoint_staging_made_since(cfg, temp_before)
         raise
+
+
+def temp_entries() -> set[str]:
+    return set(os.listdir(tempfile.gettempdir()))
+
+
+def remove_checkpoint_staging_made_since(cfg: TrainConfig, before: set[str]) -> None:
+    """A build that fails inside Composer's Trainer (a checkpoint refused at autoresume) returns no trainer
+    for close_trainer, so the staging folder Composer's CheckpointSaver had made for an s3:// save folder
+    stayed in the temp folder, one per failed start: the folders made since `before` that hold the save
+    folder's key path (how the saver lays out its staging) go."""
+    if not cfg.save_is_remote():
+        return
+    _, key_path = storage.split_s3(cfg.save_folder)
+    temp = Path(tempfile.gettempdir())
+    for name in temp_entries() - before:
+        if key_path and (temp / name / key_path).is_dir():
+            shutil.rmtree(temp / name, ignore_errors=True)
 
 
 def assemble_trainer(cfg: TrainConfig, owner: SaveFolderOwner) -> Trainer:

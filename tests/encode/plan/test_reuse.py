@@ -50,4 +50,34 @@ def test_an_s3_output_without_its_index_is_gone(s3_prefix: str) -> None:
     table = load_reuse_table(
         [ReuseSource(storage.join(s3_prefix, "gc"), text=True, latents=True, resolution=32)]
     )
+    table.close()
     assert table.text == {} and table.latents == {}
+
+
+@pytest.mark.s3
+def test_a_reuse_table_that_fails_to_load_leaves_no_copies_behind(
+    s3_prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An outage halfway through copying an S3 output's shards: the copies made so far stayed in the temp
+    folder for good (the failed load returned no table to close)."""
+    import tempfile
+
+    write_output(tmp_path / "out")
+    uri = storage.join(s3_prefix, "out")
+    storage.upload_dir(tmp_path / "out", uri)
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    copied = []
+    real_download = storage.download
+
+    def outage_after_one(src: str, dest: Path) -> None:
+        if copied:
+            raise storage.StorageError(f"S3 is not answering: {src}")
+        real_download(src, dest)
+        copied.append(src)
+
+    monkeypatch.setattr(storage, "download", outage_after_one)
+    with pytest.raises(storage.StorageError, match="not answering"):
+        load_reuse_table([ReuseSource(uri, text=True, latents=True, resolution=32)])
+    assert copied and not list(temp.iterdir())

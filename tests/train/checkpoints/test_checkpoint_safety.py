@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -95,6 +96,10 @@ def test_hostile_s3_latest_is_refused_and_left_alone(
     with pytest.raises(UnsafeCheckpointError, match=re.escape(f"{save}/ep9-ba99-rank0.pt")):
         fit(cfg)
     assert not marker.exists()
+    # Composer's CheckpointSaver had made its staging folder for the s3:// run (tmpXXXX/<key path>): the
+    # failed start took it away, not left one per attempt in the temp folder
+    temp = Path(tempfile.gettempdir())
+    assert not [entry for entry in temp.iterdir() if (entry / prefix).is_dir()]
     assert storage.read_bytes(pointer) == f"{prefix}/ep9-ba99-rank0.pt".encode()
     names = sorted(storage.relpath(f.uri, save) for f in storage.list_files(save))
     assert names == ["ep9-ba99-rank0.pt", LATEST_NAME + SYMLINK_SUFFIX]
