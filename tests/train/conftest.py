@@ -297,9 +297,11 @@ def job_env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
-def run_train_cli(args: list[str], **kwargs: Any) -> subprocess.Popen:
-    """Start `python -m train ...` in a subprocess (single-threaded torch: results match across processes)."""
-    return subprocess.Popen([PYTHON, "-m", "train", *args], cwd=REPO_ROOT, env=job_env(), **kwargs)
+def run_train_cli(args: list[str], temp: Path | None = None, **kwargs: Any) -> subprocess.Popen:
+    """Start `python -m train ...` in a subprocess (single-threaded torch: results match across processes);
+    `temp`: its TMPDIR (a process the test kills: the `killed_temp` fixture)."""
+    env = job_env() if temp is None else {**job_env(), "TMPDIR": str(temp)}
+    return subprocess.Popen([PYTHON, "-m", "train", *args], cwd=REPO_ROOT, env=env, **kwargs)
 
 
 TINY_RUN_EVAL = ("eval.num_samples=8", "eval.timesteps=[100,900]", "eval.seed=3")

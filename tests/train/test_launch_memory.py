@@ -181,11 +181,14 @@ def gather_and_check(rank: int, store: str, agree: bool, errors: Any) -> None:
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("agree", [True, False])
-def test_every_rank_refuses_alike_after_one_real_gather(tmp_path: Path, agree: bool) -> None:
+def test_every_rank_refuses_alike_after_one_real_gather(
+    tmp_path: Path, agree: bool, killed_temp: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Every rank sees every rank's decision, so all refuse with one message (or none does): no rank waits
     in a collective for a rank that already stopped."""
     import torch.multiprocessing as mp
 
+    monkeypatch.setenv("TMPDIR", str(killed_temp))  # the ranks leave by os._exit: their temp folder
     errors = mp.get_context("spawn").SimpleQueue()
     store = str(tmp_path / "pg-store")
     mp.spawn(gather_and_check, args=(store, agree, errors), nprocs=2, join=True)

@@ -511,9 +511,12 @@ def test_precompile_compiles_the_recipe_and_each_compiled_variant_side_by_side_f
     assert any(n.startswith("precompile: 2 compiled steps built side by side") for n in result["findings"])
 
 
-def test_a_bench_killed_while_precompiling_leaves_no_child_compiling(tmp_path: Path) -> None:
+def test_a_bench_killed_while_precompiling_leaves_no_child_compiling(
+    tmp_path: Path, killed_temp: Path
+) -> None:
     """kill -9 of `make bench` while its precompile children run: no child outlives it (the kernel kills
     each with its parent, shared/runtime/children.py)."""
+    import os
     import signal
     import subprocess
     import sys
@@ -527,7 +530,8 @@ def test_a_bench_killed_while_precompiling_leaves_no_child_compiling(tmp_path: P
     command = [sys.executable, "-m", "train", "bench", "quick", *args, f"work_dir={tmp_path}"]
     log = tmp_path / "bench.log"
     with log.open("wb") as out:
-        bench = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=out)
+        env = {**os.environ, "TMPDIR": str(killed_temp)}  # what a kill -9 leaves stays with the test
+        bench = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=out, env=env)
     try:
         deadline, children = time.monotonic() + 60, []
         while time.monotonic() < deadline and len(children) < 2 and bench.poll() is None:

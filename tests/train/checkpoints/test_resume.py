@@ -30,10 +30,12 @@ START_TIMEOUT_S = 300
 SPEED_SWITCHES = ("model.low_precision_norms=true", "compile=true", "compile_backend=aot_eager")
 
 
-def start(data: str, save: Path, cache: Path, log: Path, *switches: str) -> subprocess.Popen:
+def start(
+    data: str, save: Path, cache: Path, log: Path, *switches: str, temp: Path | None = None
+) -> subprocess.Popen:
     handle = log.open("a")
     args = ["fit", "tiny", *tiny_overrides(data, save, cache, *SETTINGS, *switches)]
-    return run_train_cli(args, stdout=handle, stderr=subprocess.STDOUT)
+    return run_train_cli(args, temp, stdout=handle, stderr=subprocess.STDOUT)
 
 
 def kill_after_first_checkpoint(proc: subprocess.Popen, save: Path) -> None:
@@ -52,13 +54,16 @@ def final_state(save: Path) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("switches", [(), SPEED_SWITCHES], ids=["eager", "speed_switches"])
-def test_killed_and_resumed_run_matches_uninterrupted_run(tmp_path: Path, switches: tuple[str, ...]) -> None:
+def test_killed_and_resumed_run_matches_uninterrupted_run(
+    tmp_path: Path, switches: tuple[str, ...], killed_temp: Path
+) -> None:
     data = str(tmp_path / "data")
     write_fake_dataset(data, n=24)
     full, crash = tmp_path / "full", tmp_path / "crash"
     # Both start together (2 cores); the crashing one is killed as soon as its first checkpoint is published.
     uninterrupted = start(data, full, tmp_path / "cache-full", tmp_path / "full.log", *switches)
-    crashing = start(data, crash, tmp_path / "cache-crash", tmp_path / "crash.log", *switches)
+    crash_log = tmp_path / "crash.log"
+    crashing = start(data, crash, tmp_path / "cache-crash", crash_log, *switches, temp=killed_temp)
     kill_after_first_checkpoint(crashing, crash)
     assert crashing.returncode == -signal.SIGKILL
     resumed_from = os.path.realpath(crash / "latest-rank0.pt")

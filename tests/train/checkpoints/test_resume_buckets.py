@@ -84,12 +84,12 @@ def assert_matches(baseline: Path, resumed: Path, exact: bool) -> None:
 
 @pytest.mark.slow
 def test_bucketed_run_killed_past_the_first_epoch_resumes_exactly(
-    baseline: Path, tiny_bucketed_dataset: str, tmp_path: Path
+    baseline: Path, tiny_bucketed_dataset: str, tmp_path: Path, killed_temp: Path
 ) -> None:
     save, log = tmp_path / "save", tmp_path / "run.log"
     args = ["fit", "tiny", *overrides(tiny_bucketed_dataset, save, 14)]
     with log.open("a") as handle:
-        proc = run_train_cli(args, stdout=handle, stderr=subprocess.STDOUT)
+        proc = run_train_cli(args, killed_temp, stdout=handle, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + RUN_TIMEOUT_S
     while not (save / "latest-rank0.pt").exists():
         assert proc.poll() is None, log.read_text()[-3000:]

@@ -103,7 +103,7 @@ def assert_matches(baseline: Baseline, resumed: Path, weight_atol: float, exact:
 
 @pytest.mark.slow
 def test_mix_stopped_between_saves_then_killed_past_the_first_epoch_resumes_exactly(
-    baseline: Baseline, tmp_path: Path
+    baseline: Baseline, tmp_path: Path, killed_temp: Path
 ) -> None:
     """A SIGTERM saves the step it lands on (not an interval one: the per-stream counts must be that step's,
     they were the last interval's), exit 75; the rerun is killed after its batch-8 checkpoint; the third
@@ -118,7 +118,7 @@ def test_mix_stopped_between_saves_then_killed_past_the_first_epoch_resumes_exac
     stopped = os.path.realpath(save / "latest-rank0.pt")
     assert not stopped.endswith(("ba8-rank0.pt", "ba16-rank0.pt")), stopped  # between interval saves
     with log.open("a") as handle:
-        proc = run_train_cli(args, stdout=handle, stderr=subprocess.STDOUT)
+        proc = run_train_cli(args, killed_temp, stdout=handle, stderr=subprocess.STDOUT)
     wait_until(lambda: os.path.realpath(save / "latest-rank0.pt").endswith("ep1-ba8-rank0.pt"), proc, log)
     proc.send_signal(signal.SIGKILL)
     assert proc.wait() == -signal.SIGKILL

@@ -117,7 +117,7 @@ class RequestsPerStep(Callback):
 def test_s3_keep_1_ends_with_only_the_newest_and_makes_no_requests_between_checkpoints(
     tiny_dataset: str, s3_prefix: str, tmp_path: Path
 ) -> None:
-    from train.loop.trainer import build_trainer
+    from train.loop.trainer import build_trainer, close_trainer
 
     save = f"{s3_prefix}/run"
     cfg = tiny_config(
@@ -136,7 +136,7 @@ def test_s3_keep_1_ends_with_only_the_newest_and_makes_no_requests_between_check
     try:
         trainer.fit()
     finally:
-        trainer.close()
+        close_trainer(trainer)  # as fit() closes: also the local staging of the s3:// run's checkpoints
 
     checkpoints = [f.uri for f in storage.list_files(save) if f.uri.endswith(".pt")]
     assert checkpoints == [find_latest_checkpoint(save)]

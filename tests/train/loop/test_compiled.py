@@ -134,12 +134,15 @@ def ddp_rank(rank: int, store: str, reduce_dtype: str, out: Any) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_ddp_reduce_dtype_bf16_all_reduces_half_the_bytes_into_the_same_gradients(tmp_path: Path) -> None:
+def test_ddp_reduce_dtype_bf16_all_reduces_half_the_bytes_into_the_same_gradients(
+    tmp_path: Path, killed_temp: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """ddp_reduce_dtype=bf16: Composer's DDP wrap gets torch's bf16_compress_hook, whose all-reduce passes
     through torch.distributed with 2 bytes a parameter (fp32's reducer all-reduces in C++, unseen by the
     counter), and leaves the mean gradient to bf16's precision; fp32 leaves it to float rounding."""
     import torch.multiprocessing as mp
 
+    monkeypatch.setenv("TMPDIR", str(killed_temp))  # the ranks leave by os._exit: their temp folder
     results = {}
     for dtype in ("fp32", "bf16"):
         out = mp.get_context("spawn").SimpleQueue()

@@ -6,6 +6,7 @@ Composer's import-time `sys.exit` handler, so `timeout pytest ...` could not end
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -81,9 +82,12 @@ time.sleep(300)
 
 
 @pytest.mark.slow
-def test_a_process_that_ran_fit_in_process_ends_on_sigterm(tiny_dataset: str, tmp_path: Path) -> None:
+def test_a_process_that_ran_fit_in_process_ends_on_sigterm(
+    tiny_dataset: str, tmp_path: Path, killed_temp: Path
+) -> None:
     script = CHILD.format(data=tiny_dataset, save=str(tmp_path / "save"), cache=str(tmp_path / "cache"))
-    child = subprocess.Popen([sys.executable, "-c", textwrap.dedent(script)], cwd=REPO_ROOT,
+    env = {**os.environ, "TMPDIR": str(killed_temp)}  # ended by the signal's default action: no cleanup
+    child = subprocess.Popen([sys.executable, "-c", textwrap.dedent(script)], cwd=REPO_ROOT, env=env,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
     try:
         lines = []
