@@ -185,7 +185,8 @@ def final_state(save: str) -> dict[str, Any]:
 def saved_batch(save: str) -> int:
     latest = find_latest_checkpoint(save)
     assert latest is not None
-    return int(latest.split("-ba")[1].split("-")[0])
+    # the file name only: the save folder's random prefix may hold "-ba" too (two-nodes-ba7a41...: CI)
+    return int(latest.rsplit("/", 1)[-1].split("-ba")[1].split("-")[0])
 
 
 def around_traceback(text: str) -> str:
