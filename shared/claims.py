@@ -6,6 +6,9 @@ when it was written. A job may take a claim's place when there is none; when the
 claiming process is gone (same host: its pid and start time); or when the claim has not been renewed for
 its TTL (another host: a live claimant renews it well within that). Two jobs taking one place at the same
 instant both write; each reads the claim back after a moment, and the one whose claim did not stay stops.
+A renewal reads the claim before it rewrites it: a job that stalled past its TTL (a frozen node, a SIGSTOP,
+an outage longer than the TTL) and was taken over finds the taker's claim there, leaves it, and stops; it
+used to overwrite it, and the two ran on side by side, each sure the place was its own.
 
 What the claim guards and what a refusal says is the caller's (train/checkpoints/owner.py,
 encode/plan/claims.py); this module is the mechanism, torch- and Composer-free.
@@ -13,11 +16,13 @@ encode/plan/claims.py); this module is the mechanism, torch- and Composer-free.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 
 from shared import storage
@@ -100,6 +105,18 @@ def write_and_read_back(uri: str, mine: Claim, settle_s: float = SETTLE_S) -> tu
     return back is not None and back.same_owner(mine), back
 
 
+def renew(uri: str, mine: Claim) -> Claim | None:
+    """Rewrite `mine`, renewed, unless another job's claim has taken its place: then nothing is written and
+    that claim is returned (the caller stops). No claim there (removed by hand) is rewritten. The read and
+    the write are two requests: a taker that writes between them is overwritten, and its own next renewal
+    finds this claim and stops, so one owner is left either way."""
+    claim = read_claim(uri)
+    if claim is not None and not claim.same_owner(mine):
+        return claim
+    write_claim(uri, mine.renewed())
+    return None
+
+
 def release_if_mine(uri: str, mine: Claim) -> None:
     """Remove the claim if it is still `mine` (a job that took over a lapsed claim keeps its own)."""
     claim = read_claim(uri)
@@ -107,13 +124,38 @@ def release_if_mine(uri: str, mine: Claim) -> None:
         storage.delete(uri)
 
 
-class Renewal:
-    """Rewrites a held claim every `every_s` from a daemon thread, for a job without a loop to hook (encode).
-    A failed write is logged and tried again at the next period: the TTL outlasts several."""
+class ClaimLost(BaseException):  # an interruption, as KeyboardInterrupt is
+    """Raised in the main thread of a job whose claim another job took over (Renewal); the holder of the
+    Renewal turns it into its own refusal, naming the taker (`Renewal.lost`). A BaseException, so that no
+    `except Exception` on the way (a partition's failure counted and skipped) takes it for the job's own."""
 
-    def __init__(self, uri: str, mine: Claim, every_s: float):
-        self.uri, self.mine, self.every_s = uri, mine, every_s
+
+def raise_in_main_thread(kind: type[BaseException]) -> None:
+    """Raise `kind` in the main thread at its next Python instruction. Not `_thread.interrupt_main()`: that
+    runs the process's SIGINT handler, which is Composer's sys.exit in a process that imported it, and
+    nothing at all where SIGINT is ignored (a job started in the background by a batch script)."""
+    main = threading.main_thread().ident
+    if main is not None:
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(main), ctypes.py_object(kind))
+
+
+class Renewal:
+    """Renews a held claim every `every_s` from a daemon thread, for a job without a loop to hook (encode).
+    A failed request is logged and tried again at the next period: the TTL outlasts several. When another
+    job has taken the claim over, renewing stops, `lost` holds the taker's claim and ClaimLost is raised in
+    the main thread, unless the block has ended."""
+
+    def __init__(
+        self,
+        uri: str,
+        mine: Claim,
+        every_s: float,
+        on_lost: Callable[[type[BaseException]], None] = raise_in_main_thread,
+    ):
+        self.uri, self.mine, self.every_s, self.on_lost = uri, mine, every_s, on_lost
+        self.lost: Claim | None = None
         self.stopped = threading.Event()
+        self.ending = threading.Lock()  # the block's end and a loss's interruption, one at a time
         self.thread = threading.Thread(target=self._run, name=f"renewing {uri}", daemon=True)
 
     def __enter__(self) -> Renewal:
@@ -122,12 +164,20 @@ class Renewal:
 
     def __exit__(self, *exc: object) -> None:
         """Stop renewing; a write in flight gets `JOIN_S` to land, so a release after this one stays."""
-        self.stopped.set()
+        with self.ending:
+            self.stopped.set()
         self.thread.join(JOIN_S)
 
     def _run(self) -> None:
         while not self.stopped.wait(self.every_s):
             try:
-                write_claim(self.uri, self.mine.renewed())
+                taker = renew(self.uri, self.mine)
             except OSError as err:  # an S3 hiccup: the claim lasts its TTL, the next renewal comes first
                 log.warning("could not renew the claim %s (trying again later): %s", self.uri, err)
+                continue
+            if taker is not None:
+                self.lost = taker
+                with self.ending:
+                    if not self.stopped.is_set():
+                        self.on_lost(ClaimLost)
+                return

@@ -76,6 +76,7 @@ def _user_errors() -> tuple[type[Exception], ...]:
 def classify(err: BaseException) -> Stop | None:
     """Expected stops of train commands (shared/runtime/exits.py): the message names the fix; None: a bug."""
     from shared.storage import redact_url
+    from train.checkpoints.owner import SaveFolderTakenError
     from train.resilience.exits import ResumableStop, peer_lost, resumable_exit_code
     from train.resilience.outage import StorageOutageStop
 
@@ -92,6 +93,8 @@ def classify(err: BaseException) -> Stop | None:
         if not what.endswith(OUTAGE_NOT_A_SETTING):  # shared/storage/outage.py's errors say it already
             what += f" ({OUTAGE_NOT_A_SETTING})"
         return Stop(1, message=f"{what}: a rerun resumes from the last checkpoint")
+    if isinstance(err, SaveFolderTakenError):  # every rank stops on it: rank 0's line names the taker
+        return Stop(EXIT_FATAL, quiet=quiet)
     if isinstance(err, _user_errors()):
         return Stop(EXIT_FATAL)
     return path_problem(err)

@@ -6,13 +6,15 @@ resubmitted while the first still runs) both encoded every partition and both pu
 is the whole GPU bill twice, with two runs writing the same partition folders. Now the second stops before
 it loads a model, naming the first.
 
-Ranks of one run (torchrun's, a Slurm array's, or started by hand with RANK / WORLD_SIZE on several
-machines) claim different files and run side by side. A rank is refused when a live claim of its own rank
-is another run's (it would redo the same partitions), or when a live claim of another world size is there
-(its partitions overlap every rank's). Restarts of the same launch, a claimant that is gone and a claim not
-renewed for CLAIM_TTL_S are not refused (shared/claims.py). Requests per rank: one LIST and a few GETs at
-its start, one PUT every CLAIM_REFRESH_S, one GET and a DELETE at its end; a rank never reads the claims of
-its own run's other ranks, so a 256-rank array costs 256 times one rank, not 256 squared.
+Ranks of one run (torchrun's, a Slurm array's, or started by hand with RANK / WORLD_SIZE on several machines)
+claim different files and run side by side. A rank is refused when a live claim of its own rank is another
+run's (it would redo the same partitions), or when a live claim of another world size is there (its partitions
+overlap every rank's). Restarts of the same launch, a claimant that is gone and a claim not renewed for
+CLAIM_TTL_S are not refused (shared/claims.py). A rank whose claim another run took over while it stalled (a
+frozen node, a SIGSTOP, an outage past the TTL) stops at its next renewal, naming the taker, so the two never
+write the same partitions side by side; its finished partitions stay. Requests per rank: one LIST and a few
+GETs at its start, a GET and a PUT every CLAIM_REFRESH_S, one GET and a DELETE at its end; a rank never reads
+the claims of its own run's other ranks, so a 256-rank array costs 256 times one rank, not 256 squared.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from shared import claims, storage
-from shared.claims import SETTLE_S, Claim, Renewal, this_claim
+from shared.claims import SETTLE_S, Claim, ClaimLost, Renewal, this_claim
 from shared.manifest import Layout
 
 log = logging.getLogger("encode")
@@ -118,8 +120,22 @@ def claimed_rank(
     """Hold this rank's claim on `layout` while the block runs (renewed in the background, released after)."""
     mine = take_rank_claim(layout, rank, world_size, run_name, settle_s)
     uri = storage.join(layout.claims_dir(), claim_name(rank, world_size))
+    renewal = Renewal(uri, mine, CLAIM_REFRESH_S)
     try:
-        with Renewal(uri, mine, CLAIM_REFRESH_S):
+        with renewal:
             yield mine
+    except ClaimLost:
+        raise OutputInUseError(taken_over(layout, rank, world_size, renewal.lost)) from None
     finally:
         release(uri, mine)
+
+
+def taken_over(layout: Layout, rank: int, world_size: int, taker: Claim | None) -> str:
+    who = "another encode" if taker is None else f"{taker.run_name} (host {taker.host}, pid {taker.pid})"
+    return (
+        f"{who} took over rank {rank} of {world_size} of output.uri {layout.root} (a claim is taken over "
+        f"once it has gone {CLAIM_TTL_S:.0f} s without a renewal: this process was stopped or frozen, or "
+        "could not reach the output; or by a restart of the same launch). This run stopped so that the two "
+        "do not write the same partitions; the partitions it finished are kept, and the other run encodes "
+        "the rest"
+    )

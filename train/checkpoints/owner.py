@@ -6,15 +6,17 @@ data.cache_dir; doing so resumed from the live run's latest checkpoint beside it
 overwritten each other's checkpoints, `latest` and train_config.yaml, and metrics.jsonl held 47 of its 107
 lines twice. With an s3:// save folder and a second host nothing refused at all.
 
-The claim is `<save_folder>/.run-owner.json` (local or s3://): host, pid and process start, the launch,
-when it was written. A run may take the folder when there is no claim; when the claim is its own launch's
-(a restart by the supervisor, torchrun's elastic agent or a Slurm requeue: the same launch id); when the
-claiming process is gone (same host: its pid and start time); or when the claim has not been renewed for
-OWNER_TTL_S (another host: it renews every OWNER_REFRESH_S while it trains). Otherwise the run stops before
-it reads a checkpoint, naming the claimant and how to go on. Released at close. Two runs starting at the
-same instant both write; each reads the claim back after a moment, and the one whose claim did not stay
-stops. The claim itself (who may take it, writing, reading back, releasing) is shared/claims.py's, which
-encode's rank claims use too.
+The claim is `<save_folder>/.run-owner.json` (local or s3://): host, pid and process start, the launch, when
+it was written. A run may take the folder when there is no claim; when the claim is its own launch's (a
+restart by the supervisor, torchrun's elastic agent or a Slurm requeue: the same launch id); when the claiming
+process is gone (same host: its pid and start time); or when the claim has not been renewed for OWNER_TTL_S
+(another host: it renews every OWNER_REFRESH_S while it trains). Otherwise the run stops before it reads a
+checkpoint, naming the claimant and how to go on. Released at close. A renewal reads the claim first: a run
+that stalled past OWNER_TTL_S and was taken over (its rerun started elsewhere meanwhile) finds the taker's
+claim, leaves it, and every rank stops at the next step boundary without saving (SaveFolderTakenError, exit 2,
+no restart), so the taker's checkpoints and `latest` stay its own. Two runs starting at the same instant both
+write; each reads the claim back after a moment, and the one whose claim did not stay stops. The claim itself
+(who may take it, writing, reading back, releasing) is shared/claims.py's, which encode's rank claims use too.
 """
 
 from __future__ import annotations
@@ -39,6 +41,10 @@ OWNER_TTL_S = 600.0  # five renewals: a few slow or failed writes (an S3 hiccup)
 
 class SaveFolderInUseError(RuntimeError):
     """Another live run trains into this save folder; the message names it and the ways on."""
+
+
+class SaveFolderTakenError(SaveFolderInUseError):
+    """Another run took this run's save folder over while this one stalled: it stops without saving."""
 
 
 def read_claim(save_folder: str) -> Claim | None:
@@ -69,6 +75,7 @@ class SaveFolderOwner(Callback):
         self.save_folder, self.run_name, self.close_wait_s = save_folder, run_name, close_wait_s
         self.uri = storage.join(save_folder, OWNER_FILENAME)
         self.mine: Claim | None = None
+        self.lost: Claim | None = None  # the claim of the run that took the folder over (renew)
         self.next_renewal = 0.0
         self.renewing = BackgroundJob("renewing the save folder's claim")
 
@@ -94,12 +101,29 @@ class SaveFolderOwner(Callback):
         self.next_renewal = time.monotonic() + OWNER_REFRESH_S
 
     def renew(self) -> None:
-        if self.mine is None:
+        mine = self.mine
+        if mine is None:
             return
         try:
-            claims.write_claim(self.uri, self.mine.renewed())
+            taker = claims.renew(self.uri, mine)
         except OSError as err:  # an S3 hiccup: the claim lasts OWNER_TTL_S, the next renewal comes first
             log.warning("could not renew the claim on %s (trying again later): %s", self.save_folder, err)
+            return
+        if taker is not None:  # the monitor stops every rank at the next step boundary (monitor.py)
+            self.lost, self.mine = taker, None
+            log.error("%s", self.taken_over())
+
+    def taken_over(self) -> str:
+        """The stop's message when another run has taken the folder over (rank 0's; the others say less)."""
+        taker = self.lost
+        who = "another run" if taker is None else f"{taker.run_name} (host {taker.host}, pid {taker.pid})"
+        return (
+            f"{who} took over save_folder {self.save_folder} (a claim is taken over once it has gone "
+            f"{OWNER_TTL_S:.0f} s without a renewal: this process was stopped or frozen, or could not reach "
+            "the folder; or by a restart of the same launch). This run stopped without saving, so the "
+            "checkpoints and `latest` there are the other run's; to go on with this one, stop the other and "
+            "rerun, or give this run its own save_folder="
+        )
 
     def batch_end(self, state: State, logger: Logger) -> None:
         if self.mine is not None and time.monotonic() >= self.next_renewal and not self.renewing.busy():

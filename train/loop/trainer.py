@@ -205,7 +205,11 @@ def assemble_trainer(cfg: TrainConfig, owner: SaveFolderOwner) -> Trainer:
     # First callback: decides at each step boundary whether to save / stop (train/resilience/monitor.py).
     resilience = cfg.resilience
     monitor = ResilienceMonitor(
-        cfg.save_interval, cfg.save_interval_minutes, resilience.collective_timeout_s, resilience.closing_s()
+        cfg.save_interval,
+        cfg.save_interval_minutes,
+        resilience.collective_timeout_s,
+        resilience.closing_s(),
+        owner,
     )
     with (
         composer_loads_safely(ctx.start.load_path, checkpoint_format) as load_path,

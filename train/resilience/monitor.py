@@ -5,8 +5,10 @@ after the job's callbacks, and `StopAfterSave` is appended after that, train/loo
 1. BATCH_END, `ResilienceMonitor`: writes this rank's heartbeat, then one all-reduce (MAX, over gloo in host
    memory, so no host-device sync) of three flags:
    a stop was asked for (a SIGTERM / SIGUSR1 reached this rank, or the supervisor's `stop` file exists), the
-   deadline has passed ($SD_DEADLINE, rank 0's clock), a wall-clock save is due (rank 0's clock). Per-rank
-   signal handlers only set a flag; the decision is the all-reduced one, so every rank saves the same step.
+   deadline has passed ($SD_DEADLINE, rank 0's clock), a wall-clock save is due (rank 0's clock), another
+   run took the save folder over (rank 0's claim, train/checkpoints/owner.py: every rank raises
+   SaveFolderTakenError here, before anything is saved). Per-rank signal handlers only set a flag; the
+   decision is the all-reduced one, so every rank saves the same step.
 2. BATCH_CHECKPOINT, Composer's CheckpointSaver: its save_interval is the monitor itself, true on the batch
    interval (`save_interval`) or when step 1 decided to save.
 3. BATCH_CHECKPOINT, `StopAfterSave`: records what was saved (progress.json), and after a stop decision
@@ -35,6 +37,7 @@ from composer.utils.misc import create_interval_scheduler
 
 from shared.launch import control
 from train.checkpoints.files import checkpoint_location
+from train.checkpoints.owner import SaveFolderOwner, SaveFolderTakenError
 from train.resilience.exits import ResumableStop, record_exit
 from train.resilience.signals import restore
 
@@ -67,10 +70,12 @@ class ResilienceMonitor(Callback):
         save_interval_minutes: float | None,
         collective_timeout_s: float,
         closing_s: float = 0.0,
+        owner: SaveFolderOwner | None = None,
     ):
         """`closing_s`: for how long at most the heartbeat says "closing" after training ended
         (resilience.outage_patience_s, which each upload may wait, plus hang_timeout_s); past it, or
-        hang_timeout_s after the trainer closed, a rank that has not exited is a hang."""
+        hang_timeout_s after the trainer closed, a rank that has not exited is a hang. `owner`: the save
+        folder's claim (held by rank 0), whose loss stops the run."""
         self.batch_due = create_interval_scheduler(save_interval, include_end_of_training=True)
         self.save_every_s = None if save_interval_minutes is None else save_interval_minutes * 60.0
         self.collective_timeout_s = collective_timeout_s
@@ -84,7 +89,8 @@ class ResilienceMonitor(Callback):
         self.drill = fault_drill()
         # The flags live in host memory (numpy, viewed as a tensor for the all-reduce): reading them is no
         # host-device sync, so the step stays free of them (tests/train/loop/test_step_syncs.py).
-        self.flags = np.zeros(3, dtype=np.int32)
+        self.flags = np.zeros(4, dtype=np.int32)
+        self.owner = owner
         self.flag_view = torch.from_numpy(self.flags)
         self.group: Any = None
         self.saved_handlers: dict[signal.Signals, Any] = {}
@@ -141,10 +147,18 @@ class ResilienceMonitor(Callback):
             int(self.signalled is not None or stop_file),
             int(rank0 and self.deadline is not None and time.time() >= self.deadline),
             int(rank0 and clock_due),
+            int(self.owner is not None and self.owner.lost is not None),
         )
         if self.group is not None:
             torch.distributed.all_reduce(self.flag_view, op=torch.distributed.ReduceOp.MAX, group=self.group)
-        asked, late, clock_save = (bool(v) for v in self.flags)
+        asked, late, clock_save, taken = (bool(v) for v in self.flags)
+        if taken:  # before BATCH_CHECKPOINT: nothing of this run lands in the other's folder any more
+            self.finished(batch)
+            raise SaveFolderTakenError(
+                self.owner.taken_over()
+                if self.owner is not None and self.owner.lost is not None
+                else "another run took over this run's save folder (rank 0 names it): stopped without saving"
+            )
         self.stop_reason = "a stop signal" if asked else "the deadline" if late else None
         if self.stop_reason and self.signalled:
             self.stop_reason = self.signalled

@@ -119,6 +119,40 @@ def test_the_claim_is_renewed_and_a_release_leaves_a_claim_that_is_not_its_own(
     assert claims.read_claim(uri) == taker, "a release removes only this run's own claim"
 
 
+def test_a_rank_whose_claim_was_taken_over_stops_and_leaves_the_takers_claim(
+    tmp_path: Path, live_pid: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rank that stalled past its TTL and was taken over by another host's run used to overwrite the
+    taker's claim at its next renewal, and both encoded the same partitions. Now the renewal leaves it and
+    the rank stops (ClaimLost in its main thread, wherever it is: here a sleep), naming the taker."""
+    layout = Layout(str(tmp_path / "out"))
+    uri = storage.join(layout.claims_dir(), claim_name(0, 1))
+    monkeypatch.setattr(encode_claims, "CLAIM_REFRESH_S", 0.05)
+    taker = live_claim(live_pid, host="node-7", run_name="encode theirs")
+    with pytest.raises(OutputInUseError) as stopped, claimed_rank(layout, 0, 1, "encode mine", settle_s=0):
+        claims.write_claim(uri, taker)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # the partitions' work, until the loss interrupts it
+            time.sleep(0.01)
+    text = str(stopped.value)
+    assert f"encode theirs (host node-7, pid {live_pid}) took over rank 0 of 1 of output.uri" in text, text
+    assert "the partitions it finished are kept" in text
+    assert claims.read_claim(uri) == taker, "the taker's claim was overwritten or released"
+
+
+def test_a_renewal_rewrites_its_own_claim_and_leaves_anothers(tmp_path: Path) -> None:
+    uri = str(tmp_path / "claim.json")
+    mine = this_claim("mine")
+    claims.write_claim(uri, replace(mine, written=1.0))
+    assert claims.renew(uri, mine) is None
+    assert (claims.read_claim(uri) or mine).written > 1.0
+    storage.delete(uri)  # removed by hand: still this job's place
+    assert claims.renew(uri, mine) is None and claims.read_claim(uri) is not None
+    theirs = replace(mine, host="node-7", written=2.0)
+    claims.write_claim(uri, theirs)
+    assert claims.renew(uri, mine) == theirs and claims.read_claim(uri) == theirs
+
+
 @pytest.mark.slow
 def test_a_second_encode_of_a_running_one_stops_before_loading_models_and_the_first_finishes(
     tmp_path: Path,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
+import threading
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -22,10 +23,12 @@ from tests.train.conftest import (
     tiny_config,
     tiny_overrides,
 )
+from train.checkpoints import owner as owner_module
 from train.checkpoints.owner import (
     OWNER_FILENAME,
     OWNER_TTL_S,
     SaveFolderInUseError,
+    SaveFolderTakenError,
     claim_save_folder,
     read_claim,
     this_claim,
@@ -117,6 +120,49 @@ def test_a_second_run_into_a_live_runs_save_folder_is_refused(tiny_dataset: str,
         first.send_signal(signal.SIGTERM)  # saves and stops (75), releasing its claim at close
         assert first.wait(timeout=120) == control.EXIT_RESUMABLE
     assert read_claim(str(save)) is None
+
+
+def test_a_run_whose_folder_was_taken_over_stops_without_saving(
+    tiny_dataset: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run that stalled past OWNER_TTL_S and was taken over by a rerun elsewhere used to overwrite the
+    taker's claim at its next renewal, and both trained into the folder. Now its renewal finds the taker's
+    claim, leaves it, and the run stops at the next step boundary (before anything is saved)."""
+    from train.loop.trainer import fit
+
+    monkeypatch.setattr(owner_module, "OWNER_REFRESH_S", 0.0)  # a renewal at every step
+    save = tmp_path / "save"
+    cfg = tiny_config(
+        tiny_dataset, save, tmp_path / "cache", "max_duration=2000ba", "save_interval=1000ba",
+        "samples.enabled=false",
+    )  # fmt: skip
+    taker = replace(this_claim("run-b"), host="node-7", pid=4_000_000, launch="")
+    took: list[float] = []
+
+    def take_over_once_renewed() -> None:
+        deadline = time.monotonic() + 120
+        first = None
+        while time.monotonic() < deadline:
+            claim = read_claim(str(save))
+            if claim is not None and first is None:
+                first = claim.written
+            elif claim is not None and claim.written != first:  # renewed: the run is stepping
+                storage.write_json(str(save / OWNER_FILENAME), asdict(taker))
+                took.append(time.time())
+                return
+            time.sleep(0.05)
+
+    thief = threading.Thread(target=take_over_once_renewed, daemon=True)
+    thief.start()
+    with single_threaded_torch(), pytest.raises(SaveFolderTakenError) as stopped:
+        fit(cfg)
+    thief.join(5)
+    assert took, "the run never renewed its claim"
+    text = str(stopped.value)
+    assert f"run-b (host node-7, pid 4000000) took over save_folder {save}" in text, text
+    assert "stopped without saving" in text and "give this run its own save_folder=" in text
+    assert read_claim(str(save)) == taker, "the taker's claim was overwritten or released"
+    assert not list(save.glob("*.pt")) and not list(save.glob("**/*.pt")), "it saved after the loss"
 
 
 @pytest.mark.s3
