@@ -15,6 +15,8 @@ frozen node, a SIGSTOP, an outage past the TTL) stops at its next renewal, namin
 write the same partitions side by side; its finished partitions stay. Requests per rank: one LIST and a few
 GETs at its start, a GET and a PUT every CLAIM_REFRESH_S, one GET and a DELETE at its end; a rank never reads
 the claims of its own run's other ranks, so a 256-rank array costs 256 times one rank, not 256 squared.
+A rank killed -9 (or its node lost) leaves its claim behind: harmless once lapsed, and `encode gc` removes
+those not renewed for twice the TTL (lapsed_claims).
 """
 
 from __future__ import annotations
@@ -104,6 +106,21 @@ def take_rank_claim(layout: Layout, rank: int, world_size: int, run_name: str, s
         release(uri, mine)
         raise
     return mine
+
+
+def lapsed_claims(layout: Layout, now: float, older_than_s: float = 2 * CLAIM_TTL_S) -> list[str]:
+    """Claims (by encode's naming) not renewed for `older_than_s`: their ranks were killed or lost. A
+    damaged one counts by its file's time. A claimant that was only stalled writes its claim again at its
+    next renewal (shared/claims.py renew), so removing one never lets two runs share a rank."""
+    lapsed = []
+    for info in storage.list_files(layout.claims_dir()):
+        if CLAIM_NAME.fullmatch(info.uri.rsplit("/", 1)[-1]) is None:
+            continue
+        claim = claims.read_claim(info.uri)
+        written = info.modified if claim is None else claim.written
+        if now - written > older_than_s:
+            lapsed.append(info.uri)
+    return lapsed
 
 
 def release(uri: str, mine: Claim) -> None:

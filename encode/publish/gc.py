@@ -5,7 +5,8 @@ Only what the listing found inside the dataset root is deleted, by the URI it wa
 (encode/plan/integrity.py). A version a training job holds an unexpired lease on stays unless `--force`
 (shared/leases.py). Work of an encode in progress stays: done-markers newer than the current version, and
 partition folders written in the last `min_age_s` (an encode uploads a partition's files before its
-done-marker, for minutes on S3).
+done-marker, for minutes on S3). Rank claims left by killed encodes go once lapsed for twice their TTL
+(encode/plan/claims.py).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import datetime
 
+from encode.plan.claims import lapsed_claims
 from encode.plan.fingerprints import list_markers, read_markers
 from encode.plan.integrity import is_inside, is_output_dir, is_version_id, marker_location
 from shared import storage
@@ -41,6 +43,8 @@ class GcReport:
     # unreferenced partition folders written in the last min_age_s: left for an encode that may be uploading
     recent: list[str] = field(default_factory=list)
     min_age_s: float = 0.0
+    # rank claims of encodes killed long ago (_claims/rank-R-of-W.json)
+    deleted_claims: list[str] = field(default_factory=list)
 
 
 def list_versions(layout: Layout) -> list[str]:
@@ -110,6 +114,10 @@ def collect_garbage(
         for vid in stale:
             _delete_inside(layout, layout.version_dir(vid), True, refused)
     forced = held if force else []
+    claims = lapsed_claims(layout, clock)
+    if not dry_run:
+        for uri in claims:
+            _delete_inside(layout, uri, False, refused)
     return GcReport(
         kept,
         stale,
@@ -121,6 +129,7 @@ def collect_garbage(
         forced,
         recent,
         min_age_s,
+        claims,
     )
 
 
@@ -147,6 +156,9 @@ def describe_gc(report: GcReport, dry_run: bool) -> list[str]:
         f"partition folders, {report.deleted_markers} done-markers"
     )
     lines += [f"  {name}" for name in report.deleted_partition_dirs]
+    if n := len(report.deleted_claims):
+        what = "claim of an encode rank that ended" if n == 1 else "claims of encode ranks that ended"
+        lines.append(f"{verb} {n} {what} without releasing {'it' if n == 1 else 'them'}")
     lines += [
         f"left alone (unreadable done-marker): {uri}: {why}" for uri, why in report.unreadable_markers.items()
     ]

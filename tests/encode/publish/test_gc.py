@@ -87,6 +87,32 @@ def test_gc_removes_leases_that_lapsed_long_ago(dataset: tuple[Path, Path, str, 
     assert v1 in report.leased  # the live lease still holds its version
 
 
+def test_gc_removes_encode_claims_that_lapsed_long_ago(dataset: tuple[Path, Path, str, str]) -> None:
+    """A rank killed -9 never releases its claim: it stayed in _claims/ for good, one file per rank of each
+    rank count ever killed, and every later rank of another rank count read it at its start."""
+    from dataclasses import replace
+
+    from encode.plan.claims import CLAIM_TTL_S, claim_name
+    from shared import claims, storage
+
+    _, out, _, _ = dataset
+    layout = Layout(str(out))
+    now = time.time()
+    mine = replace(claims.this_claim("encode sample"), host="node-7")
+    for rank, age in [(0, 2 * CLAIM_TTL_S + 10), (1, CLAIM_TTL_S + 10), (2, 10)]:
+        claims.write_claim(f"{layout.claims_dir()}/{claim_name(rank, 3)}", replace(mine, written=now - age))
+    (out / "_claims" / "notes.txt").write_text("not encode's")
+    report = collect_garbage(layout, keep=1, dry_run=True, now=now)
+    assert [uri.rsplit("/", 1)[-1] for uri in report.deleted_claims] == [claim_name(0, 3)]
+    assert "would delete 1 claim of an encode rank that ended without releasing it" in "\n".join(
+        describe_gc(report, dry_run=True)
+    )
+    assert len(list((out / "_claims").iterdir())) == 4, "a dry run deletes nothing"
+    collect_garbage(layout, keep=1, now=now)
+    left = sorted(info.uri.rsplit("/", 1)[-1] for info in storage.list_files(layout.claims_dir()))
+    assert left == ["notes.txt", claim_name(1, 3), claim_name(2, 3)], "lapsed lately or live: kept"
+
+
 def test_lease_names_are_validated(tmp_path: Path) -> None:
     with pytest.raises(leases.LeaseError):
         leases.lease_uri(str(tmp_path), "../../etc/x")
