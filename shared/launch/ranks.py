@@ -188,6 +188,33 @@ def _file_id(path: str) -> FileId | None:
     return info.st_dev, info.st_ino
 
 
+def flock_holders(fd: int) -> list[int]:
+    """The processes holding an flock on the file `fd` is open on, from /proc/locks (its file field is
+    `major:minor:inode`, the device in hex). The kernel records the pid that took the lock; a child forked
+    while it was held holds it too and is not listed."""
+    info = os.fstat(fd)
+    holders = []
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/locks").read_text().splitlines():
+            parts = line.split()
+            if len(parts) < 6 or parts[1] != "FLOCK":  # a waiter's line reads "N: -> FLOCK ..."
+                continue
+            with contextlib.suppress(ValueError):
+                major, minor, inode = parts[5].split(":")
+                if (os.makedev(int(major, 16), int(minor, 16)), int(inode)) == (info.st_dev, info.st_ino):
+                    holders.append(int(parts[4]))
+    return holders
+
+
+def command_of(pid: int) -> str:
+    """A process's command line, for a message ("?" once it has gone)."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().rstrip(b"\0").split(b"\0")
+    except OSError:
+        return "?"
+    return " ".join(part.decode("utf-8", "replace") for part in argv) or "?"
+
+
 def orphan_semaphores(since: float) -> set[str]:
     """Python's named semaphores (`sem.mp-*`) in /dev/shm that this user created at or after `since`: the
     ones no process maps (`unmapped_shm`, called after this scan) lost their creator, so nothing can open

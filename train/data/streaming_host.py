@@ -254,6 +254,15 @@ def first_free_prefix(streams_local: list[str], streams_remote: list[str | None]
     )
 
 
+def lock_holders(fd: int) -> str:
+    """Who holds the flock on `fd`'s file, for a message: pids and command lines (a lock that waited its
+    whole timeout is held by a stuck or stopped process, which the user has to find)."""
+    from shared.launch.ranks import command_of, flock_holders
+
+    found = [f"pid {pid} ({command_of(pid)[:200]})" for pid in flock_holders(fd)]
+    return ", ".join(found) or "another of your processes (or a child it forked while holding it)"
+
+
 def _acquire_prefix_lock() -> int:
     path = (
         storage.private_temp_dir("sd-pretrain-locks", "TMPDIR (the environment variable)") / _PREFIX_LOCK_NAME
@@ -266,9 +275,10 @@ def _acquire_prefix_lock() -> int:
             return fd
         except BlockingIOError:
             if time.monotonic() > deadline:
+                holders = lock_holders(fd)
                 os.close(fd)
                 raise DataError(
-                    f"waited {PREFIX_LOCK_TIMEOUT_S:.0f} s for {path}, held by another of your processes "
-                    "building a StreamingDataset on this host; if that process is stuck, stop it"
+                    f"waited {PREFIX_LOCK_TIMEOUT_S:.0f} s for {path}, held by {holders} building a "
+                    "StreamingDataset on this host; if that process is stuck, stop it"
                 ) from None
             time.sleep(_PREFIX_LOCK_POLL_S)

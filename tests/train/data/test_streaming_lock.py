@@ -19,13 +19,18 @@ import contextlib
 import mmap
 import multiprocessing as mp
 import os
+import queue
+import subprocess
+import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from train.config import DataConfig
+from train.data import streaming_host
 from train.data.loader import PinnedData, build_dataset, pin_version, read_dataset_manifest
 from train.data.shm import read_shm
 
@@ -39,6 +44,19 @@ MAX_PREFIXES_SCANNED = 4096
 # Imported once in the forkserver, not in each child: train.data.loader imports Streaming lazily, and
 # Streaming's import (torchvision with it) takes ~3 s of CPU per process.
 PRELOAD = ["train.data.loader", "torch.distributed", "streaming"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def forkserver_stopped_at_the_end() -> Iterator[None]:
+    """The forkserver these tests start imports torch, which makes a temp folder at import and removes it when
+    the server exits: on its own that is when pytest's process ends, after the session checked its temp
+    folder for leftovers (tests/leftovers.py), so it was reported as one. Stopped here, it is gone first."""
+    yield
+    from multiprocessing import forkserver
+
+    stop = getattr(forkserver._forkserver, "_stop", None)  # CPython's, for its own tests
+    if stop is not None:
+        stop()
 
 
 def _build_in_child(pinned: PinnedData, store: str, barrier: Any, results: Any) -> None:
@@ -75,6 +93,31 @@ def registrations_of(local: str) -> list[str]:
     return found
 
 
+def prefix_lock_path() -> Path:
+    from shared import storage
+
+    return storage.private_temp_dir("sd-pretrain-locks", "TMPDIR") / streaming_host._PREFIX_LOCK_NAME
+
+
+def why_waiting(children: list[Any]) -> str:
+    """What children that sent no result are doing (their stacks, from outside) and who holds the host's
+    prefix lock they queue on: a CI run once timed out here with nothing else to go on."""
+    from shared.launch.ranks import stack_of
+
+    lines = []
+    lock = prefix_lock_path()
+    if lock.exists():
+        fd = os.open(lock, os.O_RDONLY)
+        try:
+            lines.append(f"{lock} held by: {streaming_host.lock_holders(fd)}")
+        finally:
+            os.close(fd)
+    for child in children:
+        if child.is_alive():
+            lines.append(f"child {child.pid}:\n{stack_of(child.pid)}")
+    return "\n".join(lines)
+
+
 @pytest.mark.dist
 def test_datasets_built_at_the_same_instant_do_not_collide(tiny_dataset: str, tmp_path: Path) -> None:
     pinned = []
@@ -92,7 +135,10 @@ def test_datasets_built_at_the_same_instant_do_not_collide(tiny_dataset: str, tm
         for child in children:
             child.start()
         deadline = time.monotonic() + RESULTS_TIMEOUT_S
-        outcomes = [results.get(timeout=max(1.0, deadline - time.monotonic())) for _ in children]
+        try:
+            outcomes = [results.get(timeout=max(1.0, deadline - time.monotonic())) for _ in children]
+        except queue.Empty:
+            pytest.fail(f"no result from every child in {RESULTS_TIMEOUT_S:.0f} s:\n{why_waiting(children)}")
         for child in children:
             child.join(JOIN_TIMEOUT_S)
     finally:
@@ -134,8 +180,6 @@ def _rank_in_child(pinned: PinnedData, store: str, rank: int, gone: str, other: 
     import torch.distributed as torch_dist
     from streaming.base.constant import LOCALS
     from streaming.base.shared.prefix import _get_path
-
-    from train.data import streaming_host
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
     scan, foreign = streaming_host.first_free_prefix, []
@@ -217,7 +261,6 @@ def test_a_prefix_registered_between_the_scan_and_the_create_is_scanned_past(
     from streaming.base.constant import LOCALS
     from streaming.base.shared.prefix import _get_path
 
-    from train.data import streaming_host
     from train.data.streaming_host import register_free_prefix
 
     scan, stolen = streaming_host.first_free_prefix, []
@@ -305,3 +348,27 @@ def test_a_dataset_that_goes_takes_its_shared_memory_and_file_locks_with_it(
     assert shm_descriptors() <= before
     assert locks and not any(p.exists() for p in locks)
     assert not set(locks) & set(shm.LOCKS_REMOVED_AT_EXIT)
+
+
+HOLD_LOCK = (
+    "import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDWR); fcntl.flock(fd, fcntl.LOCK_EX); "
+    "print('held', flush=True); time.sleep(60)"
+)
+
+
+def test_a_prefix_lock_held_past_its_timeout_names_the_process_holding_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A process stuck (or stopped) while building a dataset holds the host's prefix lock: every other
+    build waits PREFIX_LOCK_TIMEOUT_S, then fails naming that process, so the user knows what to stop."""
+    lock = prefix_lock_path()
+    lock.touch(mode=0o600)
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(lock)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        monkeypatch.setattr(streaming_host, "PREFIX_LOCK_TIMEOUT_S", 0.3)
+        with pytest.raises(streaming_host.DataError, match=rf"held by pid {holder.pid} \(.* -c import fcntl"):
+            streaming_host._acquire_prefix_lock()
+    finally:
+        holder.kill()
+        holder.wait()
