@@ -41,15 +41,19 @@ exec {{python}} -m shared.launch.supervise {{supervise_flags}} --stopped-mark "$
   -- "$0" {{torchrun_flags}} "$@"' \
   {{torchrun}} -m {{program}} &
 SRUN_PID=$!
-# A trapped signal makes `wait` return early: wait again until srun itself has exited.
+# A trapped signal makes `wait` return early (128 + its number): wait again while srun itself still runs.
 set +e
-while true; do
+wait "$SRUN_PID"
+RC=$?
+while kill -0 "$SRUN_PID" 2>/dev/null; do
   wait "$SRUN_PID"
   RC=$?
-  kill -0 "$SRUN_PID" 2>/dev/null || break
 done
-if [ "$RC" -eq 0 ] && [ -n "$(ls -A "$STOPPED" 2>/dev/null)" ]; then
-  RC=75  # every node ended well, and they saved and stopped: resumable
+# Resumable when every node marked that its ranks saved and stopped, whatever `wait` said: a signal that
+# arrives as srun exits cuts the last `wait` short, and bash then reports 128 + the signal (or -1) for srun.
+MARKS="$(ls -A "$STOPPED" 2>/dev/null | wc -l)"
+if [ "$MARKS" -ge {{nodes}} ] || { [ "$RC" -eq 0 ] && [ "$MARKS" -gt 0 ]; }; then
+  RC=75
 fi
 rm -rf "$STOPPED"
 set -e
