@@ -520,13 +520,16 @@ def stubbed_nodes_job(tmp_path: Path, srun: str, torchrun: str) -> tuple[str, di
     return render_sbatch(SLURM_NODES, header, values), env
 
 
+def run_batch_script(script: str, env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["bash", "-c", script], cwd=cwd, env=env, capture_output=True, text=True, timeout=PROBE_TIMEOUT_S
+    )
+
+
 def test_a_stop_on_several_nodes_requeues_under_srun_kill_on_bad_exit(tmp_path: Path) -> None:
     """Every node saves and stops at the same step, each in its own time: the first node's exit must not
     end the others (srun kills the step when a task exits non-zero) and the job requeues itself."""
-    script, env = stubbed_nodes_job(tmp_path, KILL_ON_BAD_EXIT_SRUN, RESUMABLE_TORCHRUN)
-    done = subprocess.run(
-        ["bash", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=PROBE_TIMEOUT_S
-    )
+    done = run_batch_script(*stubbed_nodes_job(tmp_path, KILL_ON_BAD_EXIT_SRUN, RESUMABLE_TORCHRUN), tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     assert sorted((tmp_path / "saved").read_text().splitlines()) == ["node 0 saved", "node 1 saved"]
     assert "requeue 77" in (tmp_path / "calls").read_text(), done.stdout + done.stderr
@@ -551,14 +554,7 @@ def test_a_stop_requeues_when_the_signal_arrives_as_srun_exits(tmp_path: Path) -
     (128 + USR1), and srun having gone, the job exited 138: no requeue of a job that had saved and stopped."""
     script, env = stubbed_nodes_job(tmp_path, SRUN_EXITING_AS_THE_SIGNAL_ARRIVES, "#!/bin/bash\nexit 0\n")
     for attempt in range(RACE_TRIES):
-        done = subprocess.run(
-            ["bash", "-c", script],
-            cwd=tmp_path,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=PROBE_TIMEOUT_S,
-        )
+        done = run_batch_script(script, env, tmp_path)
         assert done.returncode == 0, f"try {attempt}: rc {done.returncode}\n{done.stdout}{done.stderr}"
         assert "requeueing job 77 as segment 1" in done.stdout, done.stdout
     assert (tmp_path / "calls").read_text().count("requeue 77") == RACE_TRIES

@@ -263,10 +263,15 @@ def lock_holders(fd: int) -> str:
     return ", ".join(found) or "another of your processes (or a child it forked while holding it)"
 
 
-def _acquire_prefix_lock() -> int:
-    path = (
+def prefix_lock_path() -> Path:
+    """The per-user host lock over StreamingDataset construction (`streaming_prefix_lock`)."""
+    return (
         storage.private_temp_dir("sd-pretrain-locks", "TMPDIR (the environment variable)") / _PREFIX_LOCK_NAME
     )
+
+
+def _acquire_prefix_lock() -> int:
+    path = prefix_lock_path()
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
     deadline = time.monotonic() + PREFIX_LOCK_TIMEOUT_S
     while True:

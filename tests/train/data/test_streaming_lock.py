@@ -93,19 +93,13 @@ def registrations_of(local: str) -> list[str]:
     return found
 
 
-def prefix_lock_path() -> Path:
-    from shared import storage
-
-    return storage.private_temp_dir("sd-pretrain-locks", "TMPDIR") / streaming_host._PREFIX_LOCK_NAME
-
-
 def why_waiting(children: list[Any]) -> str:
     """What children that sent no result are doing (their stacks, from outside) and who holds the host's
     prefix lock they queue on: a CI run once timed out here with nothing else to go on."""
     from shared.launch.ranks import stack_of
 
     lines = []
-    lock = prefix_lock_path()
+    lock = streaming_host.prefix_lock_path()
     if lock.exists():
         fd = os.open(lock, os.O_RDONLY)
         try:
@@ -361,7 +355,7 @@ def test_a_prefix_lock_held_past_its_timeout_names_the_process_holding_it(
 ) -> None:
     """A process stuck (or stopped) while building a dataset holds the host's prefix lock: every other
     build waits PREFIX_LOCK_TIMEOUT_S, then fails naming that process, so the user knows what to stop."""
-    lock = prefix_lock_path()
+    lock = streaming_host.prefix_lock_path()
     lock.touch(mode=0o600)
     holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(lock)], stdout=subprocess.PIPE, text=True)
     try:
