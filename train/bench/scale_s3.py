@@ -10,8 +10,10 @@ the dataset lease, `latest` lookups) goes through `shared.storage.s3_client()` a
 checkpoint uploads run in spawned processes with their own client, and Streaming downloads shards with its
 own; neither is counted (one upload per checkpoint; one download per shard, ahead of the step).
 
-Which steps are "checkpoint steps": a checkpoint saved after batch c is mirrored and pruned (in a background
-thread) during the step windows c+1 and c+2; step 1 pays start-up (manifest, lease, `latest` lookup).
+Which steps are "checkpoint steps": the window of step c, which saves a checkpoint, ends with rank 0's read
+of the save folder's claim (one GetObject before the save, train/checkpoints/owner.py `confirm`); the
+checkpoint is mirrored and pruned (in a background thread) during the step windows c+1 and c+2; step 1 pays
+start-up (manifest, lease, `latest` lookup).
 Every other step must make no request at all: one synchronous round trip per step is a wait on every rank.
 """
 
@@ -39,6 +41,7 @@ from train.loop.trainer import build_trainer, close_trainer
 S3_RUN_RECIPE, S3_RUN_PRESET, S3_RUN_RESOLUTION = "tiny", "tiny", 64  # any model makes the same requests
 S3_RUN_BATCH = 2
 CHECKPOINT_WINDOWS = 2  # step windows after a checkpoint that carry its mirror sync and pruning
+# (the checkpoint's own window carries the claim's read before it)
 START_UP_STEPS = 1  # the first step window holds the run's start-up requests
 UPLOAD_TIMEOUT_S = 120  # a stalled upload (a checkpoint deleted before Composer saw it) fails in 2 minutes
 
@@ -57,9 +60,9 @@ class RequestsPerStep(Callback):
 
 
 def quiet_steps(batches: int, interval: int) -> list[int]:
-    """The steps that are neither start-up nor within CHECKPOINT_WINDOWS after a checkpoint."""
+    """The steps that are neither start-up, nor a checkpoint's, nor within CHECKPOINT_WINDOWS after one."""
     saved = range(interval, batches + 1, interval)
-    busy = {*range(1, START_UP_STEPS + 1)} | {c + k for c in saved for k in range(1, CHECKPOINT_WINDOWS + 1)}
+    busy = {*range(1, START_UP_STEPS + 1)} | {c + k for c in saved for k in range(CHECKPOINT_WINDOWS + 1)}
     return [step for step in range(1, batches + 1) if step not in busy]
 
 

@@ -14,7 +14,10 @@ process is gone (same host: its pid and start time); or when the claim has not b
 checkpoint, naming the claimant and how to go on. Released at close. A renewal reads the claim first: a run
 that stalled past OWNER_TTL_S and was taken over (its rerun started elsewhere meanwhile) finds the taker's
 claim, leaves it, and every rank stops at the next step boundary without saving (SaveFolderTakenError, exit 2,
-no restart), so the taker's checkpoints and `latest` stay its own. Two runs starting at the same instant both
+no restart), so the taker's checkpoints and `latest` stay its own. Renewals come every OWNER_REFRESH_S, so
+rank 0 also reads the claim at the boundary of every step that saves (`confirm`, train/resilience/monitor.py):
+a run back from a stall with a save due wrote that save, and `latest`, into the taker's folder once before its
+next renewal stopped it. Two runs starting at the same instant both
 write; each reads the claim back after a moment, and the one whose claim did not stay stops. The claim itself
 (who may take it, writing, reading back, releasing) is shared/claims.py's, which encode's rank claims use too.
 """
@@ -30,13 +33,16 @@ from composer.utils import dist
 
 from shared import claims, storage
 from shared.claims import SETTLE_S, Claim, this_claim
-from shared.runtime.background import CLOSE_WAIT_S, BackgroundJob
+from shared.runtime.background import CLOSE_WAIT_S, BackgroundJob, answer_within
 
 log = logging.getLogger(__name__)
 
 OWNER_FILENAME = ".run-owner.json"
 OWNER_REFRESH_S = 120.0
 OWNER_TTL_S = 600.0  # five renewals: a few slow or failed writes (an S3 hiccup) never lapse a live claim
+# What a save waits at most for the claim's read (`confirm`): an S3 GET is milliseconds; one that does not
+# answer by then (an outage, which the upload waits out anyway) lets the save go ahead, as it always did.
+CONFIRM_WAIT_S = 10.0
 
 
 class SaveFolderInUseError(RuntimeError):
@@ -112,6 +118,19 @@ class SaveFolderOwner(Callback):
         if taker is not None:  # the monitor stops every rank at the next step boundary (monitor.py)
             self.lost, self.mine = taker, None
             log.error("%s", self.taken_over())
+
+    def confirm(self, wait_s: float = CONFIRM_WAIT_S) -> bool:
+        """Whether the folder is still this run's, read now (a save is due). False when another run's claim
+        has taken this run's place: `lost` names it. A read that fails or does not answer within `wait_s`
+        counts as still this run's (the renewals go on). True on ranks that hold no claim and lost none."""
+        mine = self.mine
+        if mine is None:
+            return self.lost is None
+        claim = answer_within(wait_s, claims.read_claim, self.uri)
+        if claim is not None and not claim.same_owner(mine):
+            self.lost, self.mine = claim, None
+            log.error("%s", self.taken_over())
+        return self.lost is None
 
     def taken_over(self) -> str:
         """The stop's message when another run has taken the folder over (rank 0's; the others say less)."""

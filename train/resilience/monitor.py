@@ -8,7 +8,10 @@ after the job's callbacks, and `StopAfterSave` is appended after that, train/loo
    deadline has passed ($SD_DEADLINE, rank 0's clock), a wall-clock save is due (rank 0's clock), another
    run took the save folder over (rank 0's claim, train/checkpoints/owner.py: every rank raises
    SaveFolderTakenError here, before anything is saved). Per-rank signal handlers only set a flag; the
-   decision is the all-reduced one, so every rank saves the same step.
+   decision is the all-reduced one, so every rank saves the same step. When this step saves (the batch
+   interval or that decision; EPOCH_END likewise for an interval in epochs), rank 0 first reads the save
+   folder's claim and a second all-reduce carries the answer (`confirm_before_save`): renewals come every 2
+   minutes, and a run back from a stall with a save due wrote it into the folder of the run that took over.
 2. BATCH_CHECKPOINT, Composer's CheckpointSaver: its save_interval is the monitor itself, true on the batch
    interval (`save_interval`) or when step 1 decided to save.
 3. BATCH_CHECKPOINT, `StopAfterSave`: records what was saved (progress.json), and after a stop decision
@@ -77,6 +80,9 @@ class ResilienceMonitor(Callback):
         hang_timeout_s after the trainer closed, a rank that has not exited is a hang. `owner`: the save
         folder's claim (held by rank 0), whose loss stops the run."""
         self.batch_due = create_interval_scheduler(save_interval, include_end_of_training=True)
+        # The same schedule, asked one event ahead (whether this step or epoch saves) by confirm_before_save:
+        # an instance of its own, so that asking early leaves the saver's answers as they were.
+        self.save_ahead = create_interval_scheduler(save_interval, include_end_of_training=True)
         self.save_every_s = None if save_interval_minutes is None else save_interval_minutes * 60.0
         self.collective_timeout_s = collective_timeout_s
         self.folder = control.control_dir()
@@ -92,6 +98,8 @@ class ResilienceMonitor(Callback):
         self.flags = np.zeros(4, dtype=np.int32)
         self.owner = owner
         self.flag_view = torch.from_numpy(self.flags)
+        self.taken_flag = np.zeros(1, dtype=np.int32)  # confirm_before_save's all-reduce
+        self.taken_view = torch.from_numpy(self.taken_flag)
         self.group: Any = None
         self.saved_handlers: dict[signal.Signals, Any] = {}
         self.closing_s = closing_s
@@ -153,21 +161,45 @@ class ResilienceMonitor(Callback):
             torch.distributed.all_reduce(self.flag_view, op=torch.distributed.ReduceOp.MAX, group=self.group)
         asked, late, clock_save, taken = (bool(v) for v in self.flags)
         if taken:  # before BATCH_CHECKPOINT: nothing of this run lands in the other's folder any more
-            self.finished(batch)
-            raise SaveFolderTakenError(
-                self.owner.taken_over()
-                if self.owner is not None and self.owner.lost is not None
-                else "another run took over this run's save folder (rank 0 names it): stopped without saving"
-            )
+            self.stop_taken(batch)
         self.stop_reason = "a stop signal" if asked else "the deadline" if late else None
         if self.stop_reason and self.signalled:
             self.stop_reason = self.signalled
         self.save_now = bool(self.stop_reason) or clock_save
+        if self.save_now or self.save_ahead(state, Event.BATCH_CHECKPOINT):
+            self.confirm_before_save(batch)
         if self.stop_reason:
             log.warning("batch %d: saving and stopping (%s)", batch, self.stop_reason)
         if not self.tightened:  # after this run's first step (start-up and checkpoint loading are done)
             tighten_collective_timeout(self.collective_timeout_s)
             self.tightened = True
+
+    def epoch_end(self, state: State, logger: Logger) -> None:
+        if self.save_ahead(state, Event.EPOCH_CHECKPOINT):  # a save_interval in epochs
+            self.confirm_before_save(int(state.timestamp.batch))
+
+    def confirm_before_save(self, batch: int) -> None:
+        """This step saves: rank 0 reads the save folder's claim (train/checkpoints/owner.py `confirm`, a GET
+        that waits 10 s at most), and every rank stops here, before the save, if another run took the folder
+        over. Every rank comes here at the same step (the save decision is the same on all), so the second
+        all-reduce pairs up; steps that do not save have none."""
+        if self.owner is None:
+            return
+        self.taken_flag[0] = int(not self.owner.confirm())
+        if self.group is not None:
+            torch.distributed.all_reduce(self.taken_view, op=torch.distributed.ReduceOp.MAX, group=self.group)
+        if self.taken_flag[0]:
+            self.stop_taken(batch)
+
+    def stop_taken(self, batch: int) -> None:
+        """Another run took the save folder over: every rank stops before saving (rank 0's message names
+        the taker; the others say less)."""
+        self.finished(batch)
+        raise SaveFolderTakenError(
+            self.owner.taken_over()
+            if self.owner is not None and self.owner.lost is not None
+            else "another run took over this run's save folder (rank 0 names it): stopped without saving"
+        )
 
     def __call__(self, state: State, event: Event) -> bool:
         """CheckpointSaver's schedule: the batch interval, or a save decided at this step's boundary."""

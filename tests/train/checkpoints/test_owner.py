@@ -10,20 +10,25 @@ import threading
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from shared import storage
+from shared.claims import Claim
 from shared.launch import control
+from shared.runtime.exits import TORCHRUN_FAILED
 from tests.train.conftest import (
     PYTHON,
     REPO_ROOT,
+    TORCHRUN,
     job_env,
     single_threaded_torch,
     tiny_config,
     tiny_overrides,
 )
 from train.checkpoints import owner as owner_module
+from train.checkpoints.files import LATEST_NAME
 from train.checkpoints.owner import (
     OWNER_FILENAME,
     OWNER_TTL_S,
@@ -67,6 +72,14 @@ def plant_claim(save: Path, **fields: object) -> None:
     claim = {**asdict(this_claim("run-a")), "pid": 4_000_000, "start": 1, "launch": "", **fields}
     save.mkdir(parents=True, exist_ok=True)
     (save / OWNER_FILENAME).write_text(json.dumps(claim))
+
+
+def take_over(save: Path) -> Claim:
+    """Write another host's live claim (run-b, node-7) into `save`, as a run that took it over would; its
+    claim."""
+    taker = replace(this_claim("run-b"), host="node-7", pid=4_000_000, launch="")
+    storage.write_json(str(save / OWNER_FILENAME), asdict(taker))
+    return taker
 
 
 def test_another_hosts_live_claim_refuses_and_a_lapsed_one_is_taken_over(
@@ -136,8 +149,7 @@ def test_a_run_whose_folder_was_taken_over_stops_without_saving(
         tiny_dataset, save, tmp_path / "cache", "max_duration=2000ba", "save_interval=1000ba",
         "samples.enabled=false",
     )  # fmt: skip
-    taker = replace(this_claim("run-b"), host="node-7", pid=4_000_000, launch="")
-    took: list[float] = []
+    took: list[Claim] = []
 
     def take_over_once_renewed() -> None:
         deadline = time.monotonic() + 120
@@ -147,8 +159,7 @@ def test_a_run_whose_folder_was_taken_over_stops_without_saving(
             if claim is not None and first is None:
                 first = claim.written
             elif claim is not None and claim.written != first:  # renewed: the run is stepping
-                storage.write_json(str(save / OWNER_FILENAME), asdict(taker))
-                took.append(time.time())
+                took.append(take_over(save))
                 return
             time.sleep(0.05)
 
@@ -161,8 +172,104 @@ def test_a_run_whose_folder_was_taken_over_stops_without_saving(
     text = str(stopped.value)
     assert f"run-b (host node-7, pid 4000000) took over save_folder {save}" in text, text
     assert "stopped without saving" in text and "give this run its own save_folder=" in text
-    assert read_claim(str(save)) == taker, "the taker's claim was overwritten or released"
+    assert read_claim(str(save)) == took[0], "the taker's claim was overwritten or released"
     assert not list(save.glob("*.pt")) and not list(save.glob("**/*.pt")), "it saved after the loss"
+
+
+def test_a_save_due_right_after_a_takeover_is_not_written(
+    tiny_dataset: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Renewals come every OWNER_REFRESH_S: a run taken over between two of them (back from a stall) wrote
+    its next save, and `latest`, into the taker's folder before its renewal stopped it. Rank 0 now reads
+    the claim at the boundary of every step that saves: the save due right after the takeover is not
+    written."""
+    from train.loop.trainer import fit
+
+    monkeypatch.setattr(owner_module, "OWNER_REFRESH_S", 3600.0)  # no renewal in this run: the save finds it
+    save = tmp_path / "save"
+    cfg = tiny_config(
+        tiny_dataset, save, tmp_path / "cache", "max_duration=12ba", "save_interval=5ba",
+        "samples.enabled=false",
+    )  # fmt: skip
+    took: list[Claim] = []
+    renew_at_step = owner_module.SaveFolderOwner.batch_end
+
+    def taken_over_after_step_7(self: owner_module.SaveFolderOwner, state: Any, logger: Any) -> None:
+        if int(state.timestamp.batch) == 7:
+            took.append(take_over(save))
+        renew_at_step(self, state, logger)
+
+    monkeypatch.setattr(owner_module.SaveFolderOwner, "batch_end", taken_over_after_step_7)
+    with single_threaded_torch(), pytest.raises(SaveFolderTakenError) as stopped:
+        fit(cfg)
+    assert f"run-b (host node-7, pid 4000000) took over save_folder {save}" in str(stopped.value)
+    saved = sorted(path.name for path in save.glob("**/*.pt") if not path.is_symlink())
+    assert saved == ["ep0-ba5-rank0.pt"], f"saved into the taker's folder after the takeover: {saved}"
+    assert (save / LATEST_NAME).resolve().name == "ep0-ba5-rank0.pt"
+    assert read_claim(str(save)) == took[0], "the taker's claim was overwritten or released"
+
+
+def test_every_rank_stops_before_the_first_save_after_a_takeover(tiny_dataset: str, tmp_path: Path) -> None:
+    """Two ranks under torchrun (FSDP, sharded saves): rank 0 alone reads the claim, the second all-reduce
+    carries its answer to every rank at the same step, so both stop before the save (none hangs in a save's
+    collective the other never joins). The claim is taken over as soon as the first save is there; the next
+    is 10 steps later, the margin a loaded box needs to write it first."""
+    save = tmp_path / "save"
+    overrides = tiny_overrides(
+        tiny_dataset, save, tmp_path / "cache", "max_duration=2000ba", "save_interval=10ba"
+    )
+    argv = [
+        *TORCHRUN, "--standalone", "--nnodes=1", "--nproc-per-node=2",
+        "-m", "train", "fit", "tiny", *overrides, "samples.enabled=false",
+    ]  # fmt: skip
+    env = {**job_env(), "NODE_RANK": "0"}
+    run = subprocess.Popen(argv, cwd=REPO_ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                           text=True)  # fmt: skip
+    try:
+        deadline = time.time() + 240
+        while read_claim(str(save)) is None or not (save / LATEST_NAME).exists():
+            assert run.poll() is None and time.time() < deadline, "the run never saved"
+            time.sleep(0.02)
+        taker = take_over(save)
+        _, stderr = run.communicate(timeout=240)
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait()
+    # torchrun's own code for ranks that failed; each rank exited 2 and recorded it for the supervisor
+    assert run.returncode == TORCHRUN_FAILED, stderr[-3000:]
+    assert "error: run-b (host node-7, pid 4000000) took over save_folder" in stderr, stderr[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
+    saves = {path.name.split("-rank")[0] for path in save.glob("**/ep*-ba*") if not path.is_symlink()}
+    assert saves == {"ep1-ba10"}, f"saved into the taker's folder after the takeover: {sorted(saves)}"
+    assert read_claim(str(save)) == taker
+
+
+def test_a_claim_that_cannot_be_read_in_time_lets_the_save_go_ahead(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`confirm` before a save: an outage (a failed or slow read) never stops a run; only another run's
+    claim does. No claim (removed by hand) is still this run's folder."""
+    owner = claim_save_folder(str(tmp_path), "run-a", settle_s=0)
+    assert owner.confirm(wait_s=5)
+    with monkeypatch.context() as patch:
+        patch.setattr(owner_module.claims, "read_claim", lambda uri: time.sleep(3))
+        started = time.monotonic()
+        assert owner.confirm(wait_s=0.2) and time.monotonic() - started < 2, "a slow read held the save"
+
+    def refused(uri: str) -> None:
+        raise OSError("connection refused")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(owner_module.claims, "read_claim", refused)
+        assert owner.confirm(wait_s=5)
+    (tmp_path / OWNER_FILENAME).unlink()
+    assert owner.confirm(wait_s=5) and owner.lost is None
+    taker = take_over(tmp_path)
+    assert not owner.confirm(wait_s=5) and owner.lost == taker
+    assert not owner.confirm(wait_s=5), "a lost folder came back"
+    owner.post_close()
+    assert read_claim(str(tmp_path)) == taker, "the close released the taker's claim"
 
 
 @pytest.mark.s3
