@@ -216,8 +216,9 @@ def test_every_rank_stops_before_the_first_save_after_a_takeover(tiny_dataset: s
     is 10 steps later, the margin a loaded box needs to write it first."""
     save = tmp_path / "save"
     overrides = tiny_overrides(
-        tiny_dataset, save, tmp_path / "cache", "max_duration=2000ba", "save_interval=10ba"
-    )
+        tiny_dataset, save, tmp_path / "cache", "max_duration=2000ba", "save_interval=10ba",
+        "fsdp=true", "device=cpu",
+    )  # fmt: skip
     argv = [
         *TORCHRUN, "--standalone", "--nnodes=1", "--nproc-per-node=2",
         "-m", "train", "fit", "tiny", *overrides, "samples.enabled=false",
