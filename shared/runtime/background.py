@@ -24,16 +24,9 @@ def answer_within(timeout_s: float, task: Callable[..., Any], *args: Any) -> Any
     """`task(*args)`'s result if it answers within `timeout_s`, else None; an exception counts as no answer
     (a storage read during an outage). The task's daemon thread is left to finish or die with the process."""
     result: list[Any] = []
-
-    def run() -> None:
-        try:
-            result.append(task(*args))
-        except Exception as err:  # best effort, as BackgroundJob's
-            log.warning("%s failed: %s", getattr(task, "__name__", "a task"), err)
-
-    thread = threading.Thread(target=run, name=f"answer within {timeout_s:g} s", daemon=True)
-    thread.start()
-    thread.join(max(0.0, timeout_s))
+    job = BackgroundJob(getattr(task, "__name__", "a task"))
+    job.start(lambda: result.append(task(*args)))
+    job.finish(timeout_s)
     return result[0] if result else None
 
 

@@ -17,9 +17,9 @@ claim, leaves it, and every rank stops at the next step boundary without saving 
 no restart), so the taker's checkpoints and `latest` stay its own. Renewals come every OWNER_REFRESH_S, so
 rank 0 also reads the claim at the boundary of every step that saves (`confirm`, train/resilience/monitor.py):
 a run back from a stall with a save due wrote that save, and `latest`, into the taker's folder once before its
-next renewal stopped it. Two runs starting at the same instant both
-write; each reads the claim back after a moment, and the one whose claim did not stay stops. The claim itself
-(who may take it, writing, reading back, releasing) is shared/claims.py's, which encode's rank claims use too.
+next renewal stopped it. Two runs starting at the same instant both write; each reads the claim back after a
+moment, and the one whose claim did not stay stops. The claim itself (who may take it, writing, reading back,
+releasing) is shared/claims.py's, which encode's rank claims use too.
 """
 
 from __future__ import annotations
@@ -116,8 +116,7 @@ class SaveFolderOwner(Callback):
             log.warning("could not renew the claim on %s (trying again later): %s", self.save_folder, err)
             return
         if taker is not None:  # the monitor stops every rank at the next step boundary (monitor.py)
-            self.lost, self.mine = taker, None
-            log.error("%s", self.taken_over())
+            self.lose_to(taker)
 
     def confirm(self, wait_s: float = CONFIRM_WAIT_S) -> bool:
         """Whether the folder is still this run's, read now (a save is due). False when another run's claim
@@ -128,9 +127,13 @@ class SaveFolderOwner(Callback):
             return self.lost is None
         claim = answer_within(wait_s, claims.read_claim, self.uri)
         if claim is not None and not claim.same_owner(mine):
-            self.lost, self.mine = claim, None
-            log.error("%s", self.taken_over())
+            self.lose_to(claim)
         return self.lost is None
+
+    def lose_to(self, taker: Claim) -> None:
+        """Another run's claim took this run's place: hold it no longer, and say so (rank 0's log)."""
+        self.lost, self.mine = taker, None
+        log.error("%s", self.taken_over())
 
     def taken_over(self) -> str:
         """The stop's message when another run has taken the folder over (rank 0's; the others say less)."""
