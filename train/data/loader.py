@@ -20,6 +20,7 @@ train/data/copies.py) — see `sample_seed` — so a resumed run sees exactly th
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -225,6 +226,18 @@ def _streaming_dataset_class() -> type:
             if stream.remote and os.path.abspath(stream.remote) != os.path.abspath(stream.local):
                 self.shards[shard_id].evict()  # the cache's copy; never the dataset's own files
 
+        # Streaming's epoch ends when two of its three loops (download, ready, yield) have counted
+        # themselves out, and a loop that raises never does. Its ready thread downloads a shard itself when
+        # it gets there before the download thread (which then goes on to the next one), so an outage can
+        # fail both threads: the epoch's end then waited for them forever instead of raising the outage.
+        def _prepare_thread(self, it: Any) -> None:
+            with counted_out_on_failure(it):
+                super()._prepare_thread(it)
+
+        def _ready_thread(self, it: Any) -> None:
+            with counted_out_on_failure(it):
+                super()._ready_thread(it)
+
         def __iter__(self) -> Iterator[dict[str, Any]]:
             # A failed download thread can end Streaming's epoch early and quietly; never end it on one.
             yield from super().__iter__()
@@ -265,6 +278,17 @@ def _streaming_dataset_class() -> type:
             return out
 
     return LatentStreamingDataset
+
+
+@contextlib.contextmanager
+def counted_out_on_failure(it: Any) -> Iterator[None]:
+    """A Streaming epoch thread that raises still counts itself out of its epoch (`_Iterator.on_exit`), as
+    it does when it ends normally; the error goes on to Streaming's handler, which stops the other loops."""
+    try:
+        yield
+    except BaseException:
+        it.on_exit()
+        raise
 
 
 def build_dataset(
