@@ -176,8 +176,17 @@ def test_a_run_whose_folder_was_taken_over_stops_without_saving(
     assert not list(save.glob("*.pt")) and not list(save.glob("**/*.pt")), "it saved after the loss"
 
 
+# (interval, duration, the step after which the folder is taken over, the one save written before it):
+# an interval in batches is checked at BATCH_END, one in epochs (8 batches of tiny_dataset) at EPOCH_END.
+SAVE_AFTER_TAKEOVER = {
+    "batches": ("5ba", "12ba", 7, "ep0-ba5-rank0.pt"),
+    "epochs": ("1ep", "3ep", 10, "ep1-ba8-rank0.pt"),
+}
+
+
+@pytest.mark.parametrize("unit", list(SAVE_AFTER_TAKEOVER))
 def test_a_save_due_right_after_a_takeover_is_not_written(
-    tiny_dataset: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tiny_dataset: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, unit: str
 ) -> None:
     """Renewals come every OWNER_REFRESH_S: a run taken over between two of them (back from a stall) wrote
     its next save, and `latest`, into the taker's folder before its renewal stopped it. Rank 0 now reads
@@ -185,27 +194,28 @@ def test_a_save_due_right_after_a_takeover_is_not_written(
     written."""
     from train.loop.trainer import fit
 
+    interval, duration, taken_after, kept = SAVE_AFTER_TAKEOVER[unit]
     monkeypatch.setattr(owner_module, "OWNER_REFRESH_S", 3600.0)  # no renewal in this run: the save finds it
     save = tmp_path / "save"
     cfg = tiny_config(
-        tiny_dataset, save, tmp_path / "cache", "max_duration=12ba", "save_interval=5ba",
+        tiny_dataset, save, tmp_path / "cache", f"max_duration={duration}", f"save_interval={interval}",
         "samples.enabled=false",
     )  # fmt: skip
     took: list[Claim] = []
     renew_at_step = owner_module.SaveFolderOwner.batch_end
 
-    def taken_over_after_step_7(self: owner_module.SaveFolderOwner, state: Any, logger: Any) -> None:
-        if int(state.timestamp.batch) == 7:
+    def taken_over_mid_interval(self: owner_module.SaveFolderOwner, state: Any, logger: Any) -> None:
+        if int(state.timestamp.batch) == taken_after:
             took.append(take_over(save))
         renew_at_step(self, state, logger)
 
-    monkeypatch.setattr(owner_module.SaveFolderOwner, "batch_end", taken_over_after_step_7)
+    monkeypatch.setattr(owner_module.SaveFolderOwner, "batch_end", taken_over_mid_interval)
     with single_threaded_torch(), pytest.raises(SaveFolderTakenError) as stopped:
         fit(cfg)
     assert f"run-b (host node-7, pid 4000000) took over save_folder {save}" in str(stopped.value)
     saved = sorted(path.name for path in save.glob("**/*.pt") if not path.is_symlink())
-    assert saved == ["ep0-ba5-rank0.pt"], f"saved into the taker's folder after the takeover: {saved}"
-    assert (save / LATEST_NAME).resolve().name == "ep0-ba5-rank0.pt"
+    assert saved == [kept], f"saved into the taker's folder after the takeover: {saved}"
+    assert (save / LATEST_NAME).resolve().name == kept
     assert read_claim(str(save)) == took[0], "the taker's claim was overwritten or released"
 
 
