@@ -2,7 +2,7 @@
 
 Streaming yields a sample several times in one epoch when a stream is upsampled (`repeat` > 1, `choose` or
 a proportion larger than the stream, `epoch_size` larger than the data). Every draw of a sample is seeded by
-(seed, epoch, sample index) (train/data/loader.py `sample_seed`), so each copy would be the identical
+(seed, epoch, sample index) (train/data/draws.py `sample_seed`), so each copy would be the identical
 (noised latent, timestep, caption dropout) example: upsampling added weight but no new noise.
 
 Streaming builds each epoch's sample list once, before any partitioning, in `resample_streams` (streaming

@@ -1,6 +1,6 @@
 """Every random number a training sample needs, a pure function of its seed, computed where the batch is.
 
-A row carries one `sample_seed` (train/data/loader.py derives it from (seed, epoch, sample index)). Each
+A row carries one `sample_seed` (`sample_seed` derives it from (seed, epoch, sample index)). Each
 draw of that sample is a counter-based hash of (seed, draw kind, element index) - splitmix64's mixer on
 int64 tensors - turned into a uniform or a normal. So:
 - the draws depend on nothing but the seed: not on ranks, workers, batch splits, resumes or the device's RNG
@@ -21,12 +21,14 @@ true normal passes that once in ~10^8 values), otherwise standard normal (tested
 from __future__ import annotations
 
 import functools
+import hashlib
 import math
 from dataclasses import dataclass
 
 import torch
 
 SAMPLE_SEED = "sample_seed"  # int64 batch column: the seed of every random draw for that sample
+_SEED_MASK = (1 << 63) - 1  # a non-negative 63-bit seed: any int64 tensor holds it
 
 # Draw kinds: the first word of each kind's counter stream (part of resume exactness: never renumber).
 KIND_COIN = 1  # [B] float32 uniform in [0, 1): caption dropout when < p
@@ -41,6 +43,13 @@ _MIX1 = 0xBF58476D1CE4E5B9
 _MIX2 = 0x94D049BB133111EB
 _BITS = 24  # float32 holds 24 significant bits: uniforms are k / 2^24
 _SCALE = 1.0 / (1 << _BITS)
+
+
+def sample_seed(seed: int, epoch: int, index: int, copy: int = 0) -> int:
+    """The seed of every random draw of one copy of a sample in one epoch: independent of ranks, resumes."""
+    key = f"{seed}:{epoch}:{index}" + (f":{copy}" if copy else "")
+    digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & _SEED_MASK
 
 
 def _signed(value: int) -> int:

@@ -15,13 +15,12 @@ counts, shard names that stay inside the folder) before Streaming sees it, local
 index entries, and shards written with hashes are verified when first read.
 
 Every random draw of a training sample derives from (seed, epoch, sample index, copy of an upsampled sample:
-train/data/copies.py) — see `sample_seed` — so a resumed run sees exactly the draws an uninterrupted one has.
+train/data/copies.py) — see train/data/draws.py `sample_seed` — so a resumed run sees exactly the draws an
+uninterrupted one has.
 """
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import json
 import logging
 import os
@@ -35,21 +34,12 @@ from shared.manifest import DatasetManifest, Layout, fingerprint, read_manifest
 from shared.runtime.children import die_with_parent
 from train.config import DataConfig
 from train.data import copies, packing
-from train.data.draws import SAMPLE_SEED
+from train.data.draws import SAMPLE_SEED, sample_seed
+from train.data.packing import STREAM_INDEX
 from train.data.shm import also_release, attached_without_exit_hold
 from train.data.streaming_host import DataError, cache_limit_refusal, claim_local_dir, streaming_prefix_lock
 
 log = logging.getLogger(__name__)
-
-_SEED_MASK = (1 << 63) - 1  # a non-negative 63-bit seed: any int64 tensor holds it (train/data/draws.py)
-STREAM_INDEX = "stream_index"  # int64 batch column: which stream of data.streams a sample came from (0: one)
-
-
-def sample_seed(seed: int, epoch: int, index: int, copy: int = 0) -> int:
-    """The seed of every random draw of one copy of a sample in one epoch: independent of ranks, resumes."""
-    key = f"{seed}:{epoch}:{index}" + (f":{copy}" if copy else "")
-    digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & _SEED_MASK
 
 
 # ------------------------------------------------------------------------------------------ version pin
@@ -185,7 +175,7 @@ def place_index(index_uri: str, local: str, shapes: Shapes, num_samples: int, re
 def _streaming_dataset_class() -> type:
     from streaming import StreamingDataset
 
-    from train.data.mds_reader import decode_train_columns_only, download_patiently, shard_failure
+    from train.data import mds_reader
 
     class LatentStreamingDataset(copies.DistinctCopies, StreamingDataset):
         """StreamingDataset whose rows carry only the precomputed columns plus a per-sample seed.
@@ -201,8 +191,8 @@ def _streaming_dataset_class() -> type:
                 super().__init__(**kwargs)
             except ValueError as err:
                 raise cache_limit_refusal(kwargs.get("cache_limit"), err) from None
-            decode_train_columns_only(self.shards)
-            download_patiently(self.streams, download_patience_s)
+            mds_reader.decode_train_columns_only(self.shards)
+            mds_reader.download_patiently(self.streams, download_patience_s)
             self.sample_seed_base = seed
             self.current_epoch = 0
             self.shard_failure: Exception | None = None
@@ -211,7 +201,7 @@ def _streaming_dataset_class() -> type:
             try:
                 super().prepare_shard(shard_id, blocking)
             except Exception as err:
-                self.shard_failure = shard_failure(err)
+                self.shard_failure = mds_reader.shard_failure(err)
                 if self.shard_failure is None:
                     raise
                 self.forget_failed_shard(shard_id)
@@ -231,11 +221,11 @@ def _streaming_dataset_class() -> type:
         # it gets there before the download thread (which then goes on to the next one), so an outage can
         # fail both threads: the epoch's end then waited for them forever instead of raising the outage.
         def _prepare_thread(self, it: Any) -> None:
-            with counted_out_on_failure(it):
+            with mds_reader.counted_out_on_failure(it):
                 super()._prepare_thread(it)
 
         def _ready_thread(self, it: Any) -> None:
-            with counted_out_on_failure(it):
+            with mds_reader.counted_out_on_failure(it):
                 super()._ready_thread(it)
 
         def __iter__(self) -> Iterator[dict[str, Any]]:
@@ -278,17 +268,6 @@ def _streaming_dataset_class() -> type:
             return out
 
     return LatentStreamingDataset
-
-
-@contextlib.contextmanager
-def counted_out_on_failure(it: Any) -> Iterator[None]:
-    """A Streaming epoch thread that raises still counts itself out of its epoch (`_Iterator.on_exit`), as
-    it does when it ends normally; the error goes on to Streaming's handler, which stops the other loops."""
-    try:
-        yield
-    except BaseException:
-        it.on_exit()
-        raise
 
 
 def build_dataset(
@@ -361,7 +340,7 @@ def build_dataloader(
     extra: dict[str, Any] = {}
     if cfg.num_workers > 0:
         extra = {"prefetch_factor": cfg.prefetch_factor, "persistent_workers": True}
-    return _packed_loader_class()(
+    return packing.packed_loader_class()(
         dataset,
         batch_size=per_rank_batch,
         num_workers=cfg.num_workers,
@@ -371,36 +350,6 @@ def build_dataloader(
         worker_init_fn=die_with_parent,  # a rank killed with -9 leaves no worker behind
         **extra,
     )
-
-
-def _packed_loader_class() -> type:
-    import torch
-    from streaming import StreamingDataLoader
-
-    class PackedStreamingDataLoader(StreamingDataLoader):
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            # Samples handed to the trainer per stream since this process started. Counted with torch ops on
-            # the host batch: no `.numpy()` / `.tolist()` per step (train/bench/trainer/syncs.py counts
-            # those as read-backs; StreamSampleCounts reads these only at log and checkpoint steps).
-            self.stream_taken = torch.zeros(self.dataset.num_streams, dtype=torch.int64)
-
-        def __iter__(self) -> Iterator[Any]:
-            single = len(self.stream_taken) == 1
-            for batch in super().__iter__():
-                if single:
-                    self.stream_taken += packing.num_samples(batch)
-                else:
-                    ids = packing.unpack(batch)[STREAM_INDEX]
-                    self.stream_taken += torch.bincount(ids, minlength=len(self.stream_taken))
-                yield batch
-
-        def _get_batch_size(self, batch: Any) -> int:
-            # Streaming counts a dict batch by its first value's length: the packed buffer's byte count.
-            # The count is the resume position Composer checkpoints, so it must be samples.
-            return packing.num_samples(batch)
-
-    return PackedStreamingDataLoader
 
 
 def check_one_batch_per_epoch(rank_samples: int, per_rank_batch: int, cfg: DataConfig) -> None:

@@ -4,11 +4,14 @@ Streaming's MDSReader decodes every column of a row, including `key` and `captio
 uses: a caption with non-UTF-8 bytes in a stored shard would stop the job with a UnicodeDecodeError deep in
 a dataloader worker. Columns outside TRAIN_COLUMNS are skipped, never decoded. And what a shard that cannot
 be read or downloaded means for the user (`shard_failure`), shard downloads that wait out a short S3 outage
-(`PatientStream`), and the check of a local dataset's shard files before step 1 (`check_shard_files`).
+(`PatientStream`), an epoch thread whose download failed still ending its epoch (`counted_out_on_failure`),
+and the check of a local dataset's shard files before step 1 (`check_shard_files`).
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -141,3 +144,14 @@ def _shard_file_problem(path: Path, size: int, samples: int) -> str | None:
     if offsets[-1] != actual:
         return f"ends its last sample at byte {offsets[-1]}, not at its size {actual}"
     return None
+
+
+@contextlib.contextmanager
+def counted_out_on_failure(it: Any) -> Iterator[None]:
+    """A Streaming epoch thread that raises still counts itself out of its epoch (`_Iterator.on_exit`), as
+    it does when it ends normally; the error goes on to Streaming's handler, which stops the other loops."""
+    try:
+        yield
+    except BaseException:
+        it.on_exit()
+        raise

@@ -12,6 +12,7 @@ the main process needs nothing else to unpack. Offsets are aligned to `ALIGN` by
 a zero-copy view of the buffer on whichever device it is on. Composer sees this through a `DataSpec`:
 `split_batch` cuts a packed batch into packed microbatches (one microbatch, the shipped SD2 setting, is
 the batch itself), and `microbatch_transforms` unpacks each microbatch after its single copy to the device.
+`packed_loader_class` is the StreamingDataLoader that hands such batches out and counts them.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -29,6 +31,7 @@ from shared.contract import LATENT_MEAN
 PACKED = "packed"  # the batch's bytes
 LAYOUT = "packed_layout"  # JSON: [[name, dtype, shape, offset], ...]
 ALIGN = 64  # bytes; a multiple of every element size, and of a cache line
+STREAM_INDEX = "stream_index"  # int64 batch column: which stream of data.streams a sample came from (0: one)
 
 
 def _align(n: int) -> int:
@@ -134,3 +137,34 @@ def packed_data_spec(dataloader: Any) -> Any:
         get_num_samples_in_batch=num_samples,
         microbatch_transforms=unpack,
     )
+
+
+def packed_loader_class() -> type:
+    """A StreamingDataLoader whose batches are packed (by `collate_packed` in its workers): Streaming counts
+    them in samples, and it counts the samples it hands out per stream (`stream_taken`)."""
+    from streaming import StreamingDataLoader
+
+    class PackedStreamingDataLoader(StreamingDataLoader):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            # Samples handed to the trainer per stream since this process started. Counted with torch ops on
+            # the host batch: no `.numpy()` / `.tolist()` per step (train/bench/trainer/syncs.py counts
+            # those as read-backs; StreamSampleCounts reads these only at log and checkpoint steps).
+            self.stream_taken = torch.zeros(self.dataset.num_streams, dtype=torch.int64)
+
+        def __iter__(self) -> Iterator[Any]:
+            single = len(self.stream_taken) == 1
+            for batch in super().__iter__():
+                if single:
+                    self.stream_taken += num_samples(batch)
+                else:
+                    ids = unpack(batch)[STREAM_INDEX]
+                    self.stream_taken += torch.bincount(ids, minlength=len(self.stream_taken))
+                yield batch
+
+        def _get_batch_size(self, batch: Any) -> int:
+            # Streaming counts a dict batch by its first value's length: the packed buffer's byte count.
+            # The count is the resume position Composer checkpoints, so it must be samples.
+            return num_samples(batch)
+
+    return PackedStreamingDataLoader

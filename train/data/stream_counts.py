@@ -4,7 +4,7 @@ console line and the end-of-run summary. Written at the run's last step too (`is
 own end-of-training check cannot see it at BATCH_END of an epoch-long run).
 
 Each rank's loader counts the samples it hands to the trainer from a host-side column (`stream_index`,
-train/data/loader.py), so counting costs no device work. The ranks' counts are summed with one small
+train/data/packing.py), so counting costs no device work. The ranks' counts are summed with one small
 object all-gather, only when a console line or a checkpoint is due (never every step), and the sum is what
 the checkpoint keeps: a resume on any number of ranks adds its own counts to it.
 """

@@ -21,14 +21,8 @@ from shared.contract import LATENT_MEAN, TEXT_EMBEDDING
 from tests.train.conftest import single_threaded_torch, stream_overrides, tiny_config
 from train.config import DataConfig
 from train.data.copies import split_copy
-from train.data.loader import (
-    SAMPLE_SEED,
-    build_dataloader,
-    build_dataset,
-    pin_version,
-    read_dataset_manifest,
-    sample_seed,
-)
+from train.data.draws import SAMPLE_SEED, sample_seed
+from train.data.loader import build_dataloader, build_dataset, pin_version, read_dataset_manifest
 from train.data.packing import unpack
 
 SEED = 5

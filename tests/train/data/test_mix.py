@@ -134,9 +134,9 @@ def test_every_batching_method_makes_the_batches_streaming_promises(
     """One epoch of a 0.75 / 0.25 mix in batches of 8 through train's loader (one rank, no workers):
     random mixes inside batches, stratified gives every batch 6 + 2, per_stream and device_per_stream
     give each batch one stream; every method hands out 72 + 24 samples."""
-    from train.data.loader import STREAM_INDEX, build_dataloader
+    from train.data.loader import build_dataloader
     from train.data.mix import streams_to_streaming
-    from train.data.packing import unpack
+    from train.data.packing import STREAM_INDEX, unpack
     from train.loop.prepare import prepare_data
 
     compositions = {}

@@ -50,9 +50,9 @@ def test_microbatches_are_packed_slices_of_the_batch() -> None:
 
 
 def test_streaming_counts_a_packed_batch_in_samples() -> None:
-    from train.data.loader import _packed_loader_class
+    from train.data.packing import packed_loader_class
 
-    loader = _packed_loader_class().__new__(_packed_loader_class())
+    loader = packed_loader_class().__new__(packed_loader_class())
     loader._iterator = None  # what __init__ would set; its __del__ reads it
     assert loader._get_batch_size(collate_packed(rows(3))) == 3
 

@@ -8,7 +8,7 @@ import torch
 
 from shared.contract import LATENT_LOGVAR, LATENT_MEAN, TEXT_EMBEDDING
 from train.config import ModelConfig
-from train.data.loader import SAMPLE_SEED, sample_seed
+from train.data.draws import SAMPLE_SEED, sample_seed
 from train.model.diffusion import Objective, draw_for_samples, training_alphas_cumprod
 
 LATENT = (4, 8, 8)
