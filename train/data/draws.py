@@ -1,8 +1,8 @@
 """Every random number a training sample needs, a pure function of its seed, computed where the batch is.
 
-A row carries one `sample_seed` (`sample_seed` derives it from (seed, epoch, sample index)). Each
-draw of that sample is a counter-based hash of (seed, draw kind, element index) - splitmix64's mixer on
-int64 tensors - turned into a uniform or a normal. So:
+A row carries one seed (`sample_seed`: a hash of the run's seed, the epoch, the sample index and its
+copy). Each draw of that sample is a counter-based hash of (seed, draw kind, element index) - splitmix64's
+mixer on int64 tensors - turned into a uniform or a normal. So:
 - the draws depend on nothing but the seed: not on ranks, workers, batch splits, resumes or the device's RNG
   state (resumed runs are exact);
 - they are plain elementwise tensor ops on the batch's device: the step reads nothing back (issue 11), and
