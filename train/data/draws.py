@@ -45,11 +45,15 @@ _BITS = 24  # float32 holds 24 significant bits: uniforms are k / 2^24
 _SCALE = 1.0 / (1 << _BITS)
 
 
+def seed_of(*parts: object) -> int:
+    """A seed that is a pure function of `parts` (joined with ":"), never of ranks, workers or resumes."""
+    digest = hashlib.blake2b(":".join(map(str, parts)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & _SEED_MASK
+
+
 def sample_seed(seed: int, epoch: int, index: int, copy: int = 0) -> int:
     """The seed of every random draw of one copy of a sample in one epoch: independent of ranks, resumes."""
-    key = f"{seed}:{epoch}:{index}" + (f":{copy}" if copy else "")
-    digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & _SEED_MASK
+    return seed_of(seed, epoch, index, *([copy] if copy else []))
 
 
 def _signed(value: int) -> int:

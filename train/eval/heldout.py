@@ -13,7 +13,6 @@ Per-timestep sums and counts are all-reduced once, in float64.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -21,18 +20,17 @@ import torch
 
 from shared.contract import LATENT_LOGVAR, LATENT_MEAN, TEXT_EMBEDDING, TEXT_TOKENS
 from train.config import EvalConfig
+from train.data.draws import seed_of
 from train.eval.data import EvalRows
 from train.model.diffusion import Objective
 
 Denoiser = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
-_SEED_MASK = (1 << 63) - 1
 
 
 def pair_seed(seed: int, index: int, timestep: int) -> int:
     """The seed of one (sample, timestep) pair's noise: independent of ranks, batches and resumes."""
-    digest = hashlib.blake2b(f"eval:{seed}:{index}:{timestep}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & _SEED_MASK
+    return seed_of("eval", seed, index, timestep)
 
 
 def pair_noise(seed: int, index: int, timestep: int, shape: tuple[int, ...]) -> tuple[torch.Tensor, ...]:

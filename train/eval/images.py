@@ -23,11 +23,10 @@ from shared import storage
 from shared.buckets import parse_bucket
 from shared.config import ConfigError
 from shared.runtime.device import check_node_sees_gpu, local_cuda_device, nodes_in_launch, resolve_device_kind
+from train.data.draws import seed_of
 from train.eval.report import guidance_name, score_and_report
 
 log = logging.getLogger(__name__)
-
-_SEED_MASK = (1 << 63) - 1
 
 
 @dataclass
@@ -76,8 +75,7 @@ class ImageEvalSpec:
 
 
 def image_seed(seed: int, index: int) -> int:
-    digest = hashlib.blake2b(f"image:{seed}:{index}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & _SEED_MASK
+    return seed_of("image", seed, index)
 
 
 def load_prompts(source: str, count: int) -> list[str]:
