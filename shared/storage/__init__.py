@@ -27,7 +27,7 @@ from shared.storage import transfers
 
 # Re-exported: callers use `storage.StorageError`, `storage.redact_url`, ... as one API.
 from shared.storage.errors import StorageError as StorageError
-from shared.storage.errors import is_missing, is_transient
+from shared.storage.errors import is_missing, is_transient, storage_error
 from shared.storage.safety import REDACTED as REDACTED
 from shared.storage.safety import contained_path as contained_path
 from shared.storage.safety import private_temp_dir as private_temp_dir
@@ -113,7 +113,7 @@ def s3_error(err: Exception, uri: str) -> StorageError:
     """Our message with botocore's text in it, both redacted: raise it `from None`, since a chained
     botocore exception would print the endpoint's password again in the traceback."""
     endpoint = redact_url(os.environ.get("S3_ENDPOINT_URL"))
-    return StorageError(
+    return storage_error(
         f"S3 request for {uri} failed: {redact_url(str(err))}. Check AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY "
         f"and, for a non-AWS server, S3_ENDPOINT_URL (now {endpoint!r}).",
         transient=is_transient(err),

@@ -1,4 +1,5 @@
-"""The one error type of the storage layer (its own module so `storage` and `storage.safety` share it)."""
+"""The error type of the storage layer, and its outage subtype (its own module so `storage` and
+`storage.safety` share it)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,20 @@ class StorageError(OSError):
     def __init__(self, message: str, transient: bool = False):
         super().__init__(message)
         self.transient = transient
+
+
+class StorageOutageError(StorageError):
+    """A StorageError with `transient` set, by its type: a DataLoader worker's error reaches the training
+    process as its type and message only (torch rebuilds it as `type(message)`), and a plain StorageError
+    with `transient` lost there was taken for a setting (exit 2: the supervisor stopped the run)."""
+
+    def __init__(self, message: str):
+        super().__init__(message, transient=True)
+
+
+def storage_error(message: str, transient: bool) -> StorageError:
+    """A StorageError, of the type that says whether it is `transient`."""
+    return StorageOutageError(message) if transient else StorageError(message)
 
 
 OUTAGE_NOT_A_SETTING = "an outage, not a setting"  # how an outage's message ends (shared/storage/outage.py)

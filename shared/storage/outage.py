@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from shared.storage.errors import OUTAGE_NOT_A_SETTING, StorageError, is_transient
+from shared.storage.errors import OUTAGE_NOT_A_SETTING, StorageError, StorageOutageError, is_transient
 from shared.storage.safety import redact_url
 from shared.storage.transfers import error_code
 from shared.storage.transfers import is_transient as is_transient_in_transit
@@ -86,10 +86,9 @@ def wait_out_outages(
             tries += 1
             left = patience_s - (now - started)
             if left <= 0:
-                raise StorageError(
+                raise StorageOutageError(
                     f"{what}: S3 did not answer for {now - started:.0f} s (the wait, {setting}: "
-                    f"{patience_s:g} s; last error: {redact_url(str(err))}): {OUTAGE_NOT_A_SETTING}",
-                    transient=True,
+                    f"{patience_s:g} s; last error: {redact_url(str(err))}): {OUTAGE_NOT_A_SETTING}"
                 ) from None
             wait = min(left, backoff_s(tries))
             log.warning(

@@ -195,44 +195,42 @@ def _streaming_dataset_class() -> type:
             mds_reader.download_patiently(self.streams, download_patience_s)
             self.sample_seed_base = seed
             self.current_epoch = 0
-            self.shard_failure: Exception | None = None
+            self.epoch_failure: BaseException | None = None  # what ended the epoch (mds_reader.epoch_thread)
 
         def prepare_shard(self, shard_id: int, blocking: bool = True) -> None:
             try:
                 super().prepare_shard(shard_id, blocking)
             except Exception as err:
-                self.shard_failure = mds_reader.shard_failure(err)
-                if self.shard_failure is None:
+                mds_reader.release_failed_shard(self, shard_id)
+                failure = mds_reader.shard_failure(err)
+                if failure is None:
                     raise
-                self.forget_failed_shard(shard_id)
-                raise self.shard_failure from None
+                raise failure from None
 
-        def forget_failed_shard(self, shard_id: int) -> None:
-            """A shard that failed its hash check leaves no copy in the cache. Streaming checks a hash only
-            when it downloads: the damaged copy it kept was taken as present by a later run, read unchecked
-            (it trained on it and exited 0) or waited on forever (a hang, deaf to SIGTERM). Its state stays
-            as Streaming left it: this epoch's threads are ending on the error."""
-            stream = self.streams[self.stream_per_shard[shard_id]]
-            if stream.remote and os.path.abspath(stream.remote) != os.path.abspath(stream.local):
-                self.shards[shard_id].evict()  # the cache's copy; never the dataset's own files
-
-        # Streaming's epoch ends when two of its three loops (download, ready, yield) have counted
-        # themselves out, and a loop that raises never does. Its ready thread downloads a shard itself when
-        # it gets there before the download thread (which then goes on to the next one), so an outage can
-        # fail both threads: the epoch's end then waited for them forever instead of raising the outage.
         def _prepare_thread(self, it: Any) -> None:
-            with mds_reader.counted_out_on_failure(it):
+            with mds_reader.epoch_thread(self, it):
                 super()._prepare_thread(it)
 
         def _ready_thread(self, it: Any) -> None:
-            with mds_reader.counted_out_on_failure(it):
+            with mds_reader.epoch_thread(self, it):
                 super()._ready_thread(it)
 
+        def on_exception(self, future: Any) -> None:
+            # Streaming re-raises an epoch thread's error here, where concurrent.futures only logs it, and
+            # ends the epoch quietly, short (a full cache disk: an epoch of 0 samples, no error): __iter__
+            # raises it instead, once (epoch_failure).
+            if future.exception() is not None:
+                self._event.set()
+
         def __iter__(self) -> Iterator[dict[str, Any]]:
-            # A failed download thread can end Streaming's epoch early and quietly; never end it on one.
-            yield from super().__iter__()
-            if self.shard_failure is not None:
-                raise self.shard_failure
+            try:
+                yield from super().__iter__()
+            except RuntimeError:  # Streaming's "Background thread failed. Check other traceback."
+                if self.epoch_failure is None:
+                    raise
+                raise self.epoch_failure from None
+            if self.epoch_failure is not None:
+                raise self.epoch_failure
 
         def load_state_dict(self, obj: dict[str, Any]) -> None:
             super().load_state_dict(obj)
@@ -252,8 +250,8 @@ def _streaming_dataset_class() -> type:
             try:
                 row = super().get_item(sample_id, retry)
             except RuntimeError:
-                if self.shard_failure is not None:
-                    raise self.shard_failure from None
+                if self.epoch_failure is not None:
+                    raise self.epoch_failure from None
                 raise
             # MDS hands out read-only views of the shard; copy so torch owns writable memory.
             # A dataset stores one of the two text columns (text.store): take whichever this one has.

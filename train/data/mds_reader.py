@@ -4,19 +4,26 @@ Streaming's MDSReader decodes every column of a row, including `key` and `captio
 uses: a caption with non-UTF-8 bytes in a stored shard would stop the job with a UnicodeDecodeError deep in
 a dataloader worker. Columns outside TRAIN_COLUMNS are skipped, never decoded. And what a shard that cannot
 be read or downloaded means for the user (`shard_failure`), shard downloads that wait out a short S3 outage
-(`PatientStream`), an epoch thread whose download failed still ending its epoch (`counted_out_on_failure`),
-and the check of a local dataset's shard files before step 1 (`check_shard_files`).
+(`PatientStream`), Streaming's epoch threads handing their failure to the reading thread and ending their
+epoch, or ending quietly on another's (`epoch_thread`), a failed shard left for whichever loader worker
+reads it next (`release_failed_shard`), and the check of a local dataset's shard files before step 1
+(`check_shard_files`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import os
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from streaming import Stream
+from streaming.base.dataset import _ShardState
 from streaming.base.format.mds.encodings import mds_decode
 from streaming.base.format.mds.reader import MDSReader
 
@@ -67,7 +74,27 @@ class PatientStream(Stream):
         what = f"downloading {from_basename} of the dataset at {storage.redact_url(str(self.remote))}"
         setting = "3/4 of resilience.collective_timeout_s, hang_timeout_s on one rank"
         call = lambda: parent(from_basename, to_basename)  # noqa: E731
-        return wait_out_outages(call, what, self.download_patience_s, setting=setting)
+        return wait_out_outages(call, what, self.download_patience_s, setting=setting, sleep=_outage_pause)
+
+
+class _EpochFailed(Exception):
+    """Another of the epoch's threads failed while this one waited out an outage: nothing left to wait for."""
+
+
+# .epoch_failed: the Event Streaming sets when one of the epoch's threads fails
+_this_thread = threading.local()
+
+
+def _outage_pause(seconds: float) -> None:
+    """The pause between tries of a download waiting out an outage. In one of Streaming's epoch threads it
+    ends early, with _EpochFailed, once the epoch has failed: the thread still waited out its own patience,
+    up to a backoff (60 s) after the other thread's error ended the epoch, delaying the exit of a rank that
+    was restarting, and then failed with a traceback of its own."""
+    failed = getattr(_this_thread, "epoch_failed", None)
+    if failed is None:
+        time.sleep(seconds)
+    elif failed.wait(seconds):
+        raise _EpochFailed
 
 
 def download_patiently(streams: list[Any], patience_s: float | None) -> None:
@@ -89,6 +116,12 @@ def shard_failure(err: Exception) -> Exception | None:
     (a transient StorageError: train/cli.py exits 1 and the supervisor restarts)."""
     if isinstance(err, storage.StorageError) and err.transient:
         return err
+    if full := _disk_full(err):
+        return DataError(
+            f"the shard cache's disk is full ({full}): set data.cache_limit under that disk's free space "
+            "(Streaming then evicts the coldest shards; docs/cluster.md says how to size it), or point "
+            "data.cache_dir at a larger disk"
+        )
     text = str(err)
     if isinstance(err, ValueError) and "Checksum failure" in text:
         return DataError(
@@ -105,6 +138,41 @@ def shard_failure(err: Exception) -> Exception | None:
             "it was deleted after encoding (`encode gc --force`, a bucket lifecycle rule, by hand); restore "
             "it, or re-run `make encode` into a fresh output.uri, or pass data.version=<another version>"
         )
+    return None
+
+
+def release_failed_shard(dataset: Any, shard_id: int) -> None:
+    """After a shard of a Streaming `dataset` failed to download (or decompress): no copy of it stays in the
+    cache, and no loader worker waits for it.
+
+    Streaming checks a hash only when it downloads: the damaged copy it kept was taken as present by a later
+    run, read unchecked (it trained on it and exited 0) or waited on forever. And it leaves the shard "being
+    prepared" in the state its loader workers share, where another worker's ready thread waits for it to
+    arrive, forever: the training process, waiting for that worker's batch, hung instead of raising the
+    failure (the shipped recipes run 8 workers a rank). The shard is marked present without its files
+    instead: Streaming prepares such a shard again when it is read (its path for a local folder holding only
+    zips), so each worker that needs it meets the same failure itself, or none (an outage that has ended).
+    The dataset's own files (read in place, never downloaded) are never touched."""
+    stream = dataset.streams[dataset.stream_per_shard[shard_id]]
+    if not stream.remote or os.path.abspath(stream.remote) == os.path.abspath(stream.local):
+        return
+    # Without Streaming's cache lock: a shard "being prepared" is this failed call's alone (no other worker
+    # writes its state or files), and no cache bytes were counted for it. Taking the lock (a file) here, in
+    # a worker ending after its run, made the lock file again after the run had removed it.
+    if dataset._shard_states[shard_id] == _ShardState.PREPARING:
+        dataset.shards[shard_id].evict()
+        dataset._shard_states[shard_id] = _ShardState.LOCAL
+
+
+def _disk_full(err: BaseException) -> BaseException | None:
+    """The out-of-space error `err` is, or was raised from (boto3 writes a download itself)."""
+    seen: BaseException | None = err
+    for _ in range(8):
+        if seen is None:
+            return None
+        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
+            return seen
+        seen = seen.__cause__ or seen.__context__
     return None
 
 
@@ -147,11 +215,25 @@ def _shard_file_problem(path: Path, size: int, samples: int) -> str | None:
 
 
 @contextlib.contextmanager
-def counted_out_on_failure(it: Any) -> Iterator[None]:
-    """A Streaming epoch thread that raises still counts itself out of its epoch (`_Iterator.on_exit`), as
-    it does when it ends normally; the error goes on to Streaming's handler, which stops the other loops."""
+def epoch_thread(dataset: Any, it: Any) -> Iterator[None]:
+    """Run one of the epoch threads (download, ready) of a Streaming `dataset` over `it`, its `_Iterator`.
+
+    Streaming ends an epoch once two of its three loops (download, ready, yield) have counted themselves
+    out (`it.on_exit()`), and a thread that raises never did: an outage that failed both threads (its ready
+    thread downloads a shard itself when it gets there first) left the epoch's end waiting forever. And it
+    only logged a thread's error, a traceback under "exception calling callback", then ended the epoch
+    quietly, short: the error is kept (the first one) in `dataset.epoch_failure` for the reading thread to
+    raise. A thread waiting out an outage when another's failure ends the epoch (Streaming sets
+    `dataset._event`) ends as if its loop had seen that: quietly."""
+    _this_thread.epoch_failed = dataset._event
     try:
         yield
-    except BaseException:
+    except _EpochFailed:
+        it.on_exit()
+    except BaseException as err:
+        if dataset.epoch_failure is None:
+            dataset.epoch_failure = err
         it.on_exit()
         raise
+    finally:
+        _this_thread.epoch_failed = None

@@ -12,14 +12,17 @@ the main process needs nothing else to unpack. Offsets are aligned to `ALIGN` by
 a zero-copy view of the buffer on whichever device it is on. Composer sees this through a `DataSpec`:
 `split_batch` cuts a packed batch into packed microbatches (one microbatch, the shipped SD2 setting, is
 the batch itself), and `microbatch_transforms` unpacks each microbatch after its single copy to the device.
-`packed_loader_class` is the StreamingDataLoader that hands such batches out and counts them.
+`packed_loader_class` is the StreamingDataLoader that hands such batches out and counts them, and raises a
+worker's error as the worker raised it (`worker_error`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -154,7 +157,7 @@ def packed_loader_class() -> type:
 
         def __iter__(self) -> Iterator[Any]:
             single = len(self.stream_taken) == 1
-            for batch in super().__iter__():
+            for batch in with_worker_errors_rebuilt(super().__iter__()):
                 if single:
                     self.stream_taken += num_samples(batch)
                 else:
@@ -168,3 +171,51 @@ def packed_loader_class() -> type:
             return num_samples(batch)
 
     return PackedStreamingDataLoader
+
+
+# torch's text for a loader worker's error: "Caught <Name> in DataLoader worker process <N>.\nOriginal
+# Traceback (most recent call last): ...", ending with the worker's own "<module.Name>: <message>" line.
+_WORKER_ERROR = re.compile(r"Caught \w+ in DataLoader worker process \d+\.\nOriginal Traceback")
+_OS_ERROR = re.compile(r"\[Errno (\d+)\] (.*?)(?:: '(.*)')?", re.DOTALL)
+
+
+def with_worker_errors_rebuilt(batches: Iterator[Any]) -> Iterator[Any]:
+    """`batches`, with a loader worker's error raised as the worker raised it (`worker_error`)."""
+    while True:
+        try:
+            batch = next(batches)
+        except StopIteration:
+            return
+        except Exception as err:
+            rebuilt = worker_error(err)
+            if rebuilt is err:
+                raise
+            raise rebuilt from err  # --debug shows the worker's traceback
+        yield batch
+
+
+def worker_error(err: BaseException) -> BaseException:
+    """The error a loader worker raised, from the one torch raises for it in this process: the same type,
+    built from the worker's whole traceback as text. Its message was the traceback (a crash report where
+    the CLI prints one line), and an OSError lost its errno: rebuilt from the traceback's last line. `err`
+    itself when it is not a worker's, or its last line cannot be found."""
+    text = str(err)
+    if not _WORKER_ERROR.match(text):
+        return err
+    kind = type(err)
+    name = kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+    at = text.rfind(f"\n{name}: ")
+    if at < 0:
+        return err
+    message = text[at + len(name) + 3 :].rstrip("\n")
+    os_error = _OS_ERROR.fullmatch(message) if issubclass(kind, OSError) else None
+    if os_error:
+        number, reason, path = os_error.groups()
+        with contextlib.suppress(Exception):  # an OSError subclass built otherwise: from the message
+            rebuilt = kind(int(number), reason, *([path] if path is not None else []))
+            if getattr(rebuilt, "errno", None) == int(number):
+                return rebuilt
+    try:
+        return kind(message)
+    except Exception:  # a type torch could build from its one string, but that refuses this one
+        return err

@@ -9,6 +9,8 @@ from __future__ import annotations
 import itertools
 import json
 import shutil
+import subprocess
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,7 +20,7 @@ import pytest
 from streaming.base.hashing import get_hash
 
 from shared.contract import SHARD_HASH, ContractError
-from tests.train.conftest import tiny_config, write_fake_dataset
+from tests.train.conftest import run_train_cli, tiny_config, tiny_overrides, write_fake_dataset
 from train.data.loader import DataError
 from train.loop.guards import NonFiniteLossError
 from train.loop.prepare import prepare_run
@@ -210,6 +212,61 @@ def test_shard_changed_after_encode_fails_its_hash_check(
     assert not cached, cached
     with pytest.raises(DataError, match=rf"do not match the {SHARD_HASH} hash"):
         fit(config(dataset, tmp_path))
+    assert_no_checkpoint(tmp_path)
+
+
+@pytest.mark.timeout(90)  # the hang fails here
+def test_a_damaged_shard_fails_every_loader_worker_that_needs_it(
+    dataset: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Streaming left a shard that failed in one loader worker "being prepared" in the state its workers
+    share: another worker that needed it waited for it forever, and the training process for that worker's
+    batch (a hang). Here worker 1 meets the damage first, and worker 0, whose batch comes first, needs the
+    shard too."""
+    import torch.utils.data
+    from streaming import StreamingDataset
+
+    from train.data.loader import build_dataloader
+
+    def started_late_in_worker_0(thread: Callable[[Any, Any], None]) -> Callable[[Any, Any], None]:
+        def run(self: Any, it: Any) -> None:
+            worker = torch.utils.data.get_worker_info()
+            if worker is not None and worker.id == 0:
+                time.sleep(2)
+            thread(self, it)
+
+        return run
+
+    for name in ("_prepare_thread", "_ready_thread"):
+        monkeypatch.setattr(StreamingDataset, name, started_late_in_worker_0(getattr(StreamingDataset, name)))
+    overwrite_every_sample(first_shard(dataset), nan_latent_means)
+    cfg = config(dataset, tmp_path, "data.num_workers=2")
+    loader = build_dataloader(cfg.data, prepare_run(cfg).pinned, 8, cfg.seed)
+    with pytest.raises(DataError, match=rf"do not match the {SHARD_HASH} hash"):
+        list(loader)
+
+
+def test_a_damaged_shard_read_by_a_loader_worker_is_one_line_from_the_cli(
+    dataset: Path, tmp_path: Path
+) -> None:
+    """The shipped recipes read in loader workers (8 a rank), whose error torch raises in the training process
+    built from the worker's traceback as text: the CLI's one line was that traceback."""
+    overwrite_every_sample(first_shard(dataset), nan_latent_means)
+    overrides = tiny_overrides(
+        str(dataset), tmp_path / "save", tmp_path / "cache", "max_duration=2ba", "samples.enabled=false",
+        "data.num_workers=2",
+    )  # fmt: skip
+    pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
+    proc = run_train_cli(["fit", "tiny", *overrides], **pipes)
+    try:
+        _, err = proc.communicate(timeout=240)
+    finally:
+        proc.kill()  # a hang fails the test, not the suite's temp-folder checks
+    assert proc.returncode == 2, err[-4000:]
+    assert "Traceback" not in err, err[-4000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("error: Checksum failure: "), last
+    assert f"do not match the {SHARD_HASH} hash" in last, last
     assert_no_checkpoint(tmp_path)
 
 

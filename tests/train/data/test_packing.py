@@ -1,5 +1,6 @@
 """One buffer per batch (train/data/packing.py): columns round-trip exactly, views are aligned and zero-copy,
-microbatches split like the unpacked columns, and Streaming counts samples, not bytes."""
+microbatches split like the unpacked columns, and Streaming counts samples, not bytes; a loader worker's error
+is raised as the worker raised it."""
 
 from __future__ import annotations
 
@@ -9,7 +10,18 @@ import pytest
 import torch
 
 from shared.contract import LATENT_MEAN
-from train.data.packing import ALIGN, LAYOUT, PACKED, collate_packed, num_samples, split_packed, unpack
+from shared.storage.errors import StorageOutageError
+from train.data.packing import (
+    ALIGN,
+    LAYOUT,
+    PACKED,
+    collate_packed,
+    num_samples,
+    split_packed,
+    unpack,
+    with_worker_errors_rebuilt,
+)
+from train.data.streaming_host import DataError
 
 
 def rows(n: int) -> list[dict[str, torch.Tensor]]:
@@ -82,3 +94,35 @@ def test_microbatches_of_a_pinned_batch_are_pinned_on_a_gpu_machine() -> None:
     batch[PACKED] = batch[PACKED].pin_memory()  # as the loader hands it over (pin_memory=True on CUDA)
     parts = split_packed(batch, 2)
     assert all(p[PACKED].is_pinned() for p in parts)
+
+
+class FailingInAWorker(torch.utils.data.IterableDataset):
+    def __init__(self, error: Exception):
+        self.error = error
+
+    def __iter__(self) -> Any:
+        yield torch.zeros(1)
+        raise self.error
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        PermissionError(13, "Permission denied", "/cache dir/shard.00000.mds"),
+        StorageOutageError("downloading shard.00000.mds: S3 did not answer for 90 s: an outage"),
+        DataError("a message\nover two lines"),
+    ],
+    ids=["os-error", "outage", "data-error"],
+)
+def test_a_loader_workers_error_is_raised_as_the_worker_raised_it(error: Exception) -> None:
+    """torch raises it in this process as its type built from the worker's traceback as text: a message the
+    CLI printed as its one line, an OSError without its errno, an outage without `transient`."""
+    loader = torch.utils.data.DataLoader(FailingInAWorker(error), batch_size=None, num_workers=1)
+    batches = with_worker_errors_rebuilt(iter(loader))
+    assert next(batches).shape == (1,)
+    with pytest.raises(type(error)) as raised:
+        next(batches)
+    assert str(raised.value) == str(error) and "Traceback" in str(raised.value.__cause__)
+    assert getattr(raised.value, "errno", None) == getattr(error, "errno", None)
+    assert getattr(raised.value, "filename", None) == getattr(error, "filename", None)
+    assert getattr(raised.value, "transient", None) == getattr(error, "transient", None)

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import time
-from collections.abc import Iterator
+import types
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +19,7 @@ from tests.s3_outage import OutageProxy, outage_proxy
 from tests.train.conftest import tiny_config, write_fake_dataset
 from train.checkpoints.files import find_latest_checkpoint
 from train.data import packing
+from train.data.streaming_host import DataError
 from train.export.pipeline import export_pipeline
 from train.loop.trainer import fit
 
@@ -91,11 +94,11 @@ def through(proxy: OutageProxy, monkeypatch: pytest.MonkeyPatch) -> Iterator[Non
         storage._client.cache_clear()
 
 
-def loader_over(data: str, tmp_path: Path, patience_s: float) -> Any:
+def loader_over(data: str, tmp_path: Path, patience_s: float, *extra: str) -> Any:
     from train.data.loader import build_dataloader
     from train.loop.prepare import prepare_run
 
-    cfg = tiny_config(data, tmp_path / "save", tmp_path / "cache", "device=cpu")
+    cfg = tiny_config(data, tmp_path / "save", tmp_path / "cache", "device=cpu", *extra)
     ctx = prepare_run(cfg)
     return build_dataloader(cfg.data, ctx.pinned, 8, cfg.seed, download_patience_s=patience_s)
 
@@ -153,6 +156,127 @@ def test_an_outage_longer_than_the_patience_is_one_transient_error(
         proxy.down()
         with pytest.raises(storage.StorageError) as raised:
             list(loader)
+        # Both epoch threads end with the epoch, the second at its next pause: none goes on downloading
+        # after the test (into its cache, through a proxy that is gone, with a traceback of its own).
+        loader.dataset._executor.shutdown(wait=True)
     assert raised.value.transient
     text = str(raised.value)
     assert "S3 did not answer for" in text and "of the dataset at s3://" in text and "hang_timeout_s" in text
+
+
+@pytest.mark.s3
+@pytest.mark.timeout(180)
+def test_an_outage_in_a_loader_worker_is_still_an_outage_in_one_line(
+    s3_server: S3Server, s3_prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch raises a loader worker's error in the training process as its type built from the worker's
+    traceback as text (the shipped recipes run 8 workers a rank): the outage's message was that traceback,
+    and its `transient` was lost, so the CLI took it for a setting: exit 2, and the supervisor stopped an
+    unattended run for good instead of restarting it once S3 answers."""
+    from train.cli import classify
+
+    data = f"{s3_prefix}/data"
+    write_fake_dataset(data, n=64)
+    with outage_proxy(s3_server.endpoint) as proxy, through(proxy, monkeypatch):
+        loader = loader_over(data, tmp_path, 2, "data.num_workers=2")
+        proxy.down()
+        with pytest.raises(storage.StorageError) as raised:
+            list(loader)
+    assert raised.value.transient
+    text = str(raised.value)
+    assert text.startswith("downloading ") and "S3 did not answer for" in text and "Traceback" not in text
+    stop = classify(raised.value)
+    assert stop is not None and stop.code == 1, stop  # a restart, once S3 answers
+
+
+@pytest.mark.s3
+@pytest.mark.timeout(120)
+def test_a_download_waiting_out_an_outage_ends_quietly_once_its_epoch_has_failed(
+    s3_server: S3Server, s3_prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once the other epoch thread's error has ended the epoch (Streaming sets its `_event`), a thread still
+    waiting out the outage ends quietly, counted out: it waited out its own patience (here 60 s), delaying
+    the exit of a rank that was restarting, then failed with a traceback of its own."""
+    import threading
+
+    import numpy as np
+    from streaming import Stream
+    from streaming.base.dataset import _Iterator
+
+    from train.data import mds_reader
+
+    data = f"{s3_prefix}/data"
+    write_fake_dataset(data, n=8)
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    it, failed, ended = _Iterator(np.arange(8)), threading.Event(), []
+    dataset = types.SimpleNamespace(_event=failed, epoch_failure=None)  # what epoch_thread reads and sets
+
+    def download(stream: Any) -> None:
+        try:
+            with mds_reader.epoch_thread(dataset, it):
+                stream._download_file("index.json")
+            ended.append("quietly")
+        except BaseException as err:
+            ended.append(repr(err))
+
+    with outage_proxy(s3_server.endpoint) as proxy, through(proxy, monkeypatch):
+        stream = Stream(remote=data, local=str(tmp_path / "cache"))
+        defaults = {"split": None, "download_retry": 2, "download_timeout": 60, "validate_hash": None}
+        stream.apply_default({**defaults, "keep_zip": False})  # what StreamingDataset gives its streams
+        mds_reader.download_patiently([stream], 60)
+        proxy.down()
+        thread = threading.Thread(target=download, args=(stream,), daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 30
+        while not proxy.refused and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert proxy.refused, f"the download never met the outage: {ended}"
+        failed.set()
+        thread.join(timeout=20)  # Streaming's own tries of the request under way, then no more waiting
+    assert not thread.is_alive(), "the download went on waiting out the outage after its epoch failed"
+    assert ended == ["quietly"]
+    assert it._num_exited == 1 and dataset.epoch_failure is None
+
+
+class DiskFull(Exception):
+    """What boto3 raises when the cache's disk fills under a download: its own error, from the OSError."""
+
+
+def full_disk(local: str) -> None:
+    raise DiskFull(f"writing {local}") from OSError(errno.ENOSPC, "No space left on device", local)
+
+
+def a_bug(local: str) -> None:
+    raise KeyError("a bug under a download")
+
+
+@pytest.mark.s3
+@pytest.mark.parametrize(
+    ("failure", "expected", "says"),
+    [(full_disk, DataError, "data.cache_limit under that disk's free space"), (a_bug, KeyError, "a bug")],
+)
+def test_an_epoch_thread_that_fails_mid_epoch_fails_the_epoch_with_its_error(
+    s3_prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+    failure: Callable[[str], None], expected: type[Exception], says: str,
+) -> None:  # fmt: skip
+    """Streaming only logged an epoch thread's error (a traceback under "exception calling callback") and
+    ended the epoch quietly, short: a cache disk that filled up on the second shard gave an epoch of 0
+    samples and no error, and the next epoch failed with "Background thread failed". Now the epoch fails
+    with the error, once: a full disk names the settings that fix it, anything else is itself."""
+    from streaming.base.storage.download import S3Downloader
+
+    data = f"{s3_prefix}/data"
+    write_fake_dataset(data, n=64)
+    download = S3Downloader._download_file_impl
+
+    def second_shard_fails(self: Any, remote: str, local: str, timeout: float) -> None:
+        if remote.endswith("/shard.00001.mds"):
+            failure(local)
+        download(self, remote, local, timeout)
+
+    monkeypatch.setattr(S3Downloader, "_download_file_impl", second_shard_fails)
+    loader = loader_over(data, tmp_path, patience_s=2)
+    with caplog.at_level("WARNING"), pytest.raises(expected, match=says):
+        list(loader)
+    loader.dataset._executor.shutdown(wait=True)
+    assert "exception calling callback" not in caplog.text
