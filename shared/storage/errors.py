@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 
 class StorageError(OSError):
     """A storage operation failed in a way the user can fix (missing file, bad URI, no credentials), or,
@@ -21,6 +23,17 @@ class StorageOutageError(StorageError):
 
     def __init__(self, message: str):
         super().__init__(message, transient=True)
+
+
+def causes(err: BaseException, depth: int = 8) -> Iterator[BaseException]:
+    """`err`, then the errors it was raised from (at most `depth` in all). `raise ... from None` says what
+    it raised replaces the error it was handling: the chain ends there."""
+    seen: BaseException | None = err
+    for _ in range(depth):
+        if seen is None:
+            return
+        yield seen
+        seen = seen.__cause__ or (None if seen.__suppress_context__ else seen.__context__)
 
 
 def storage_error(message: str, transient: bool) -> StorageError:

@@ -22,7 +22,13 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from shared.storage.errors import OUTAGE_NOT_A_SETTING, StorageError, StorageOutageError, is_transient
+from shared.storage.errors import (
+    OUTAGE_NOT_A_SETTING,
+    StorageError,
+    StorageOutageError,
+    causes,
+    is_transient,
+)
 from shared.storage.safety import redact_url
 from shared.storage.transfers import error_code
 from shared.storage.transfers import is_transient as is_transient_in_transit
@@ -37,23 +43,17 @@ LONGEST_WAIT_S = 60.0  # ... up to this: an outage of minutes is seen within a m
 JITTER_LOW = 0.5
 # S3 error codes s3transfer folds into the text of its S3UploadFailedError / a re-raised ClientError.
 _OUTAGE_CODES = frozenset({"InternalError", "ServiceUnavailable", "SlowDown", "503", "500", "502", "504"})
-_CHAIN_DEPTH = 8
 PROBE_TIMEOUT_S = 10.0  # a HEAD answers in milliseconds; a black-holed endpoint fails within this
 
 
 def is_outage(err: BaseException) -> bool:
     """Whether `err`, or an error it was raised from, is S3 failing the way an outage does: no connection,
     a connection closed or timed out, 5xx, throttling (StorageError(transient=True) included)."""
-    seen: BaseException | None = err
-    for _ in range(_CHAIN_DEPTH):
-        if seen is None:
-            return False
+    for seen in causes(err):
         if isinstance(seen, StorageError):
             return seen.transient
         if is_transient(seen) or is_transient_in_transit(seen) or error_code(seen) in _OUTAGE_CODES:
             return True
-        # `raise ... from None` says what it raised replaces the error it was handling
-        seen = seen.__cause__ or (None if seen.__suppress_context__ else seen.__context__)
     return False
 
 

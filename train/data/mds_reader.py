@@ -29,6 +29,7 @@ from streaming.base.format.mds.reader import MDSReader
 
 from shared import storage
 from shared.contract import SHARD_HASH, TRAIN_COLUMNS, ContractError
+from shared.storage.errors import causes
 from shared.storage.outage import wait_out_outages
 from train.data.streaming_host import DataError
 
@@ -166,14 +167,8 @@ def release_failed_shard(dataset: Any, shard_id: int) -> None:
 
 def _disk_full(err: BaseException) -> BaseException | None:
     """The out-of-space error `err` is, or was raised from (boto3 writes a download itself)."""
-    seen: BaseException | None = err
-    for _ in range(8):
-        if seen is None:
-            return None
-        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
-            return seen
-        seen = seen.__cause__ or seen.__context__
-    return None
+    full = (errno.ENOSPC, errno.EDQUOT)
+    return next((e for e in causes(err) if isinstance(e, OSError) and e.errno in full), None)
 
 
 _MDS_OFFSET = np.dtype("<u4")  # an MDS shard starts with its sample count, then count + 1 uint32 offsets
