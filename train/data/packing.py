@@ -12,8 +12,8 @@ the main process needs nothing else to unpack. Offsets are aligned to `ALIGN` by
 a zero-copy view of the buffer on whichever device it is on. Composer sees this through a `DataSpec`:
 `split_batch` cuts a packed batch into packed microbatches (one microbatch, the shipped SD2 setting, is
 the batch itself), and `microbatch_transforms` unpacks each microbatch after its single copy to the device.
-`packed_loader_class` is the StreamingDataLoader that hands such batches out and counts them, and raises a
-worker's error as the worker raised it (`worker_error`).
+`packed_loader_class` is the StreamingDataLoader that hands such batches out and counts them, raises a
+worker's error as the worker raised it (`worker_error`), and whose workers are gone once its iterator is.
 """
 
 from __future__ import annotations
@@ -170,7 +170,41 @@ def packed_loader_class() -> type:
             # The count is the resume position Composer checkpoints, so it must be samples.
             return num_samples(batch)
 
+        def _get_iterator(self) -> Any:
+            if self.num_workers == 0:
+                return super()._get_iterator()
+            self.check_worker_number_rationality()
+            return _workers_joined_iterator_class()(self)
+
     return PackedStreamingDataLoader
+
+
+WORKER_END_S = 10.0  # how long a shut-down iterator waits for a terminated worker before SIGKILL
+
+
+@functools.cache
+def _workers_joined_iterator_class() -> type:
+    from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
+
+    class WorkersJoinedIter(_MultiProcessingDataLoaderIter):
+        """torch's iterator over loader workers, whose shutdown returns only once its workers are gone.
+
+        torch asks each worker to stop, waits 5 s, terminates one still busy (one waiting on a shard in
+        Streaming's threads) and goes on without waiting for it to end. Meanwhile that worker still took
+        Streaming's cache file lock, so it created the lock file again after its dataset had removed it: a
+        lock file left in the temp folder takes that Streaming prefix for good (train/data/shm.py)."""
+
+        def _shutdown_workers(self) -> None:
+            workers = list(getattr(self, "_workers", ()))
+            super()._shutdown_workers()
+            for worker in workers:
+                with contextlib.suppress(Exception):  # at interpreter exit parts of multiprocessing are gone
+                    worker.join(timeout=WORKER_END_S)
+                    if worker.is_alive():
+                        worker.kill()
+                        worker.join()
+
+    return WorkersJoinedIter
 
 
 # torch's text for a loader worker's error: "Caught <Name> in DataLoader worker process <N>.\nOriginal

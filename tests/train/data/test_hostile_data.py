@@ -6,8 +6,10 @@ one thing, the way an attacker with write access to the bucket, or a broken disk
 
 from __future__ import annotations
 
+import gc
 import itertools
 import json
+import multiprocessing
 import shutil
 import subprocess
 import time
@@ -244,6 +246,11 @@ def test_a_damaged_shard_fails_every_loader_worker_that_needs_it(
     loader = build_dataloader(cfg.data, prepare_run(cfg).pinned, 8, cfg.seed)
     with pytest.raises(DataError, match=rf"do not match the {SHARD_HASH} hash"):
         list(loader)
+    # Its workers are gone with its iterator: torch terminated a busy one and went on, and that worker still
+    # took Streaming's cache lock, leaving the lock file its dataset had removed.
+    del loader
+    gc.collect()
+    assert multiprocessing.active_children() == []
 
 
 def test_a_damaged_shard_read_by_a_loader_worker_is_one_line_from_the_cli(
