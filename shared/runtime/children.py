@@ -11,10 +11,15 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import os
 import signal
 import sys
+import threading
 
 PR_SET_PDEATHSIG = 1  # linux prctl option: signal the child when its parent dies
+# The signals a training rank saves on and stops (train/resilience/monitor.py): Slurm's preemption, scancel
+# and time limit, Kubernetes' eviction, the --signal warning.
+RANK_STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
 def die_with_parent(*_: object) -> None:
@@ -24,3 +29,28 @@ def die_with_parent(*_: object) -> None:
         return
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def rank_loader_worker(*_: object) -> None:
+    """In a DataLoader worker of a training rank (its `worker_init_fn`): dies with the rank
+    (`die_with_parent`), and leaves the rank's stop signals to the rank unless the rank itself sends one.
+
+    Slurm signals every process of a job step at a preemption, a scancel or the time limit: the workers died
+    of that SIGTERM, and the rank's next batch failed ("DataLoader worker ... is killed by signal:
+    Terminated"), a crash with a traceback instead of saving the step and exiting resumable. Ignoring the
+    signals outright hung the rank's exit instead: Python's multiprocessing ends live workers at exit with
+    SIGTERM and then waits for them (torch's last resort is SIGTERM too). So the signals are blocked, and
+    one thread takes them with their sender: the rank's ends the worker, anyone else's is dropped."""
+    die_with_parent()
+    if not hasattr(signal, "sigwaitinfo"):  # not Linux: the default actions stay
+        return
+    rank = os.getppid()
+    signal.pthread_sigmask(signal.SIG_BLOCK, RANK_STOP_SIGNALS)  # every thread started after this one too
+    threading.Thread(target=_end_on_the_ranks_signal, args=(rank,), daemon=True, name="rank-signals").start()
+
+
+def _end_on_the_ranks_signal(rank: int) -> None:
+    while True:
+        got = signal.sigwaitinfo(set(RANK_STOP_SIGNALS))
+        if got.si_pid == rank:
+            os._exit(128 + got.si_signo)  # what the default action would have done, as an exit code

@@ -31,7 +31,7 @@ from typing import Any
 from shared import storage
 from shared.contract import SHARD_HASH, TRAIN_COLUMNS, ContractError, IndexSummary, Shapes, check_index
 from shared.manifest import DatasetManifest, Layout, fingerprint, read_manifest
-from shared.runtime.children import die_with_parent
+from shared.runtime.children import rank_loader_worker
 from train.config import DataConfig
 from train.data import copies, packing
 from train.data.draws import SAMPLE_SEED, sample_seed
@@ -345,7 +345,7 @@ def build_dataloader(
         drop_last=True,
         pin_memory=_cuda_available(),
         collate_fn=packing.collate_packed,
-        worker_init_fn=die_with_parent,  # a rank killed with -9 leaves no worker behind
+        worker_init_fn=rank_loader_worker,  # gone with the rank (kill -9 too); its stop signals are its own
         **extra,
     )
 

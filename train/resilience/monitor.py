@@ -39,6 +39,7 @@ from composer.utils import dist
 from composer.utils.misc import create_interval_scheduler
 
 from shared.launch import control
+from shared.runtime.children import RANK_STOP_SIGNALS
 from train.checkpoints.files import checkpoint_location
 from train.checkpoints.owner import SaveFolderOwner, SaveFolderTakenError
 from train.resilience.exits import ResumableStop, record_exit
@@ -46,7 +47,7 @@ from train.resilience.signals import restore
 
 log = logging.getLogger(__name__)
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+STOP_SIGNALS = RANK_STOP_SIGNALS  # its loader workers leave them to it (shared/runtime/children.py)
 # Until the trainer has closed (the last uploads, the last copies, Composer's closing barrier, which waits
 # for the slowest rank's), a finished rank's heartbeat is rewritten this often: the supervisor takes a
 # finished heartbeat older than hang_timeout_s for a teardown that never ends (a process group's destroy).

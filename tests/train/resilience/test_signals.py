@@ -149,3 +149,36 @@ def test_fit_gives_the_handlers_back_when_the_run_raises(monkeypatch: pytest.Mon
         assert signal.getsignal(signal.SIGTERM) is mine
     finally:
         signal.signal(signal.SIGTERM, before)
+
+
+def test_sigterm_to_every_process_of_a_rank_with_loader_workers_saves_the_step_and_exits_resumable(
+    tiny_dataset: str, tmp_path: Path
+) -> None:
+    """Slurm signals every process of a job step at a preemption, a scancel or the time limit: the loader
+    workers (8 a rank in the shipped recipes) died of that SIGTERM and the rank's next batch failed
+    ("DataLoader worker ... is killed by signal: Terminated"), exit 1 with a traceback, the step unsaved."""
+    from tests.leftovers import processes_naming
+    from tests.train.conftest import run_train_cli, tiny_overrides
+
+    save, temp = tmp_path / "save", tmp_path / "tmp"
+    temp.mkdir()
+    overrides = tiny_overrides(
+        tiny_dataset, save, tmp_path / "cache", "max_duration=400ba", "save_interval=4ba",
+        "samples.enabled=false", "data.num_workers=2",
+    )  # fmt: skip
+    pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
+    rank = run_train_cli(["fit", "tiny", *overrides], temp, start_new_session=True, **pipes)
+    try:
+        deadline = time.monotonic() + 240
+        while not (save / "latest-rank0.pt").exists():
+            assert rank.poll() is None and time.monotonic() < deadline, "no checkpoint appeared"
+            time.sleep(0.05)
+        os.killpg(rank.pid, signal.SIGTERM)  # the rank and its loader workers, as slurmstepd does
+        out, _ = rank.communicate(timeout=120)
+    finally:
+        rank.kill()
+    assert rank.returncode == 75, out[-4000:]
+    assert "Traceback" not in out and "killed by signal" not in out, out[-4000:]
+    assert "on SIGTERM after saving a checkpoint of it" in out.splitlines()[-1], out[-2000:]
+    assert processes_naming(temp.resolve()) == []
+    assert sorted(p.name for p in temp.glob("*_filelock")) == []  # its workers ended before it removed them

@@ -16,6 +16,7 @@ One uninterrupted run (a module fixture) is the reference for all of them.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -31,7 +32,7 @@ import pytest
 from shared.launch import control
 from shared.launch.control import CONTROL_PREFIX
 from shared.launch.plan import LaunchOptions
-from tests.leftovers import processes_naming, streaming_segments_naming
+from tests.leftovers import processes_naming, short_folder, streaming_segments_naming
 from tests.train.checkpoints.test_resume_ranks import assert_same_weights
 from tests.train.conftest import REPO_ROOT, tiny_overrides
 from train.checkpoints.files import LATEST_NAME, read_checkpoint
@@ -140,19 +141,29 @@ def reference(tiny_dataset: str, tmp_path_factory: pytest.TempPathFactory) -> Pa
     return save
 
 
+@pytest.mark.parametrize("to", ["the launch command", "every process of the job"])
 def test_sigterm_to_the_launch_command_saves_exits_resumable_and_the_rerun_matches(
-    reference: Path, tmp_path: Path
+    reference: Path, tmp_path: Path, to: str
 ) -> None:
+    """Also to every process of the job with 2 loader workers a rank, as the shipped recipes read: Slurm
+    signals every process of a job step at a preemption, a scancel or the time limit."""
     save, log = tmp_path / "save", tmp_path / "run.log"
-    proc = start(launch_argv(save), env_for(tmp_path), log)
-    wait_for_batch(tmp_path, 0, 5, proc, log)
-    proc.send_signal(signal.SIGTERM)
-    assert finish(proc, log) == control.EXIT_RESUMABLE, log.read_text()[-4000:]
-    stopped = saved_batches(save)[-1]
-    assert 5 <= stopped < MAX_BATCHES, (stopped, log.read_text()[-3000:])  # the current step, not batch 4
-    assert "rerun the same command to resume" in log.read_text()
-    assert_clean_stop(log.read_text(), tmp_path)
-    assert finish(start(launch_argv(save), env_for(tmp_path), log), log) == 0, log.read_text()[-4000:]
+    whole_job = to == "every process of the job"
+    workers = ["data.num_workers=2"] if whole_job else []
+    with short_folder("sdu-") as tmp:  # loader workers hand batches over through Unix sockets in TMPDIR
+        proc = start(launch_argv(save, *workers), env_for(tmp), log)
+        wait_for_batch(tmp, 0, 5, proc, log)
+        # slurmstepd signals every process of the step's cgroup, whatever its session (the supervisor starts
+        # torchrun in a session of its own): the launcher, the supervisor, torchrun, the ranks, their workers.
+        for pid in processes_naming(tmp.resolve()) if whole_job else [proc.pid]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+        assert finish(proc, log) == control.EXIT_RESUMABLE, log.read_text()[-4000:]
+        stopped = saved_batches(save)[-1]
+        assert 5 <= stopped < MAX_BATCHES, (stopped, log.read_text()[-3000:])  # the current step, not batch 4
+        assert "rerun the same command to resume" in log.read_text()
+        assert_clean_stop(log.read_text(), tmp)
+        assert finish(start(launch_argv(save), env_for(tmp), log), log) == 0, log.read_text()[-4000:]
     assert f"ba{stopped}" in log.read_text().split("autoresume: continuing from")[-1].splitlines()[0]
     assert_matches_reference(reference, save)
 
