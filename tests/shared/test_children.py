@@ -1,15 +1,18 @@
 """shared/runtime/children.py: a training rank's loader workers leave its stop signals to it, and end on
-its own."""
+its own; a temp folder too long for the workers' sockets is refused with the fix."""
 
 from __future__ import annotations
 
 import multiprocessing
 import signal
 import subprocess
+import tempfile
 import time
 from typing import Any
 
-from shared.runtime.children import RANK_STOP_SIGNALS, rank_loader_worker
+import pytest
+
+from shared.runtime.children import RANK_STOP_SIGNALS, rank_loader_worker, worker_handover_problem
 
 
 def _a_loader_worker(ready: Any) -> None:
@@ -38,3 +41,18 @@ def test_a_loader_worker_outlives_stop_signals_from_anyone_but_its_rank() -> Non
     finally:
         worker.kill()
         worker.join()
+
+
+def test_a_temp_folder_too_long_for_a_workers_socket_is_named_with_the_fix(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """multiprocessing hands a worker's tensor over through <temp>/pymp-XXXXXXXX/listener-XXXXXXXX, a Unix
+    socket of at most 107 bytes: 75 bytes of temp folder fit (a real `train fit` with 2 workers ran there),
+    a longer one hung the process waiting for the worker's first batch."""
+    fits = "/tmp/" + "y" * 70
+    monkeypatch.setattr(tempfile, "tempdir", fits)
+    assert len(fits) == 75 and worker_handover_problem("data.num_workers=0") is None
+    monkeypatch.setattr(tempfile, "tempdir", fits + "y")
+    problem = worker_handover_problem("data.num_workers=0")
+    assert problem is not None and "(76 bytes)" in problem and "at most 75 bytes" in problem
+    assert problem.endswith("set TMPDIR to a shorter folder (e.g. TMPDIR=/tmp), or data.num_workers=0")

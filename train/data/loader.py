@@ -31,7 +31,7 @@ from typing import Any
 from shared import storage
 from shared.contract import SHARD_HASH, TRAIN_COLUMNS, ContractError, IndexSummary, Shapes, check_index
 from shared.manifest import DatasetManifest, Layout, fingerprint, read_manifest
-from shared.runtime.children import rank_loader_worker
+from shared.runtime.children import rank_loader_worker, worker_handover_problem
 from train.config import DataConfig
 from train.data import copies, packing
 from train.data.draws import SAMPLE_SEED, sample_seed
@@ -338,6 +338,8 @@ def build_dataloader(
     extra: dict[str, Any] = {}
     if cfg.num_workers > 0:
         extra = {"prefetch_factor": cfg.prefetch_factor, "persistent_workers": True}
+        if problem := worker_handover_problem("data.num_workers=0"):
+            raise DataError(problem)
     return packing.packed_loader_class()(
         dataset,
         batch_size=per_rank_batch,

@@ -277,6 +277,33 @@ def test_a_damaged_shard_read_by_a_loader_worker_is_one_line_from_the_cli(
     assert_no_checkpoint(tmp_path)
 
 
+def test_a_temp_folder_too_long_for_the_loader_workers_sockets_is_one_line_not_a_hang(
+    dataset: Path, tmp_path: Path
+) -> None:
+    """A worker hands its batch over through a Unix socket in TMPDIR (at most 107 bytes a path): with a
+    longer temp folder its send failed in a thread that only printed the traceback, and the run waited for
+    that batch forever. The supervisor's control folder adds ~25 bytes to the TMPDIR it gives the ranks."""
+    temp = tmp_path / ("t" * 80)
+    temp.mkdir()
+    overrides = tiny_overrides(
+        str(dataset), tmp_path / "save", tmp_path / "cache", "max_duration=2ba", "samples.enabled=false",
+        "data.num_workers=2",
+    )  # fmt: skip
+    proc = run_train_cli(
+        ["fit", "tiny", *overrides], temp, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        _, err = proc.communicate(timeout=240)
+    finally:
+        proc.kill()
+    assert proc.returncode == 2, err[-4000:]
+    assert "Traceback" not in err, err[-4000:]
+    last = err.strip().splitlines()[-1]
+    assert "is too long for the Unix sockets loader workers hand their batches over by" in last, last
+    assert last.endswith("or data.num_workers=0"), last
+    assert_no_checkpoint(tmp_path)
+
+
 @pytest.mark.s3
 def test_a_shard_deleted_from_s3_after_encode_is_a_data_error(s3_prefix: str, tmp_path: Path) -> None:
     """Deleted by `encode gc --force`, a lifecycle rule or by hand: one line naming the shard, not Streaming's
