@@ -35,6 +35,7 @@ from typing import Any
 import typer
 
 from shared.launch.control import EXIT_FATAL, EXIT_RESUMABLE
+from shared.runtime.children import die_with_parent
 from shared.runtime.environ import restored_environ
 
 DEBUG_ENV = "SD_DEBUG"
@@ -94,8 +95,15 @@ def take_debug_flag(argv: list[str]) -> list[str]:
     return [arg for arg in argv if arg != DEBUG_FLAG]
 
 
+TORCHRUN_RANK_ENV = "TORCHELASTIC_RUN_ID"  # set by torchrun in every process it starts
+
+
 def main(app: typer.Typer, prog_name: str) -> Any:
-    """Run a stage's typer app as `python -m <stage>` does: `--debug` taken from anywhere first."""
+    """Run a stage's typer app as `python -m <stage>` does: `--debug` taken from anywhere first. A rank that
+    torchrun started ends with it: torchrun killed (with -9, or with the supervisor it dies with) left its
+    ranks training on, parented to init."""
+    if TORCHRUN_RANK_ENV in os.environ:
+        die_with_parent()
     sys.argv[1:] = take_debug_flag(sys.argv[1:])
     return app(prog_name=prog_name)
 
@@ -159,6 +167,8 @@ def torchrun_argv(argv: list[str]) -> list[str]:
 def run_torchrun() -> None:
     """torchrun's main without the traceback box for ranks that stopped on purpose (module doc)."""
     import logging
+
+    die_with_parent()  # the supervisor, in whose own session it runs: a kill -9 of it left torchrun running
 
     # The agent's own C++ log (c10d's store client: every connect retry with its C++ stack) stays quiet
     # unless debugging; it is read once, when torch loads, so the ranks torchrun starts keep the caller's.

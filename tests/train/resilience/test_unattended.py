@@ -1,10 +1,12 @@
 """Issue 23, tried as a user would on 2 CPU ranks (gloo, torchrun) with the tiny preset: each failure ends
 with the run finished by itself (or stopped with a clear message) and weights equal to an uninterrupted run.
 
-- SIGTERM to `python -m train launch` mid-run: saves the current step, exits 75; the rerun resumes it.
+- SIGTERM to `python -m train launch` mid-run, or to every process of the job as slurmstepd sends it (loader
+  workers too): saves the current step, exits 75; the rerun resumes it.
 - resilience.max_wall_time: saves at the step the limit passes, exits 75; save_interval_minutes saves on the
   clock between batch-interval saves.
 - kill -9 of one rank: the supervisor restarts the job from the last checkpoint by itself.
+- kill -9 of `train launch` itself: torchrun and the ranks end with it.
 - SIGSTOP of one rank: declared hung after resilience.hang_timeout_s, stacks logged (from outside), restart.
 - a deterministic failure (a rank killed at the same step each time): stops after one restart, naming the
   step and the checkpoint a rerun resumes from; the rerun finishes.
@@ -202,6 +204,34 @@ def test_kill_9_of_one_rank_restarts_by_itself_and_matches(reference: Path, tmp_
     assert "Traceback" not in text  # the rank left behind says its peer died in one line, if at all
     assert_matches_reference(reference, save)
     assert_nothing_left(text, tmp_path)  # the restart removed the killed attempt's segments
+
+
+def test_kill_9_of_the_launch_command_leaves_no_process_training_on(
+    tiny_dataset: str, tmp_path: Path
+) -> None:
+    """The supervisor runs torchrun in a session of its own, so a kill -9 of it (or the OOM killer) left
+    torchrun and both ranks training on, unsupervised, parented to init: torchrun now dies with the
+    supervisor, and each rank with torchrun."""
+    from train.data.shm import unlink_shm
+
+    DATA["root"] = tiny_dataset
+    save, log = tmp_path / "save", tmp_path / "run.log"
+    with short_folder("sdk-") as tmp:  # what the SIGKILLed processes would have removed stays in here
+        proc = start(launch_argv(save, "max_duration=4000ba"), env_for(tmp), log)
+        try:
+            wait_for_batch(tmp, 1, 2, proc, log)
+            proc.kill()
+            proc.wait()
+            deadline = time.monotonic() + 30
+            while (left := processes_naming(tmp.resolve())) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert left == [], log.read_text()[-3000:]
+        finally:
+            for pid in processes_naming(tmp.resolve()):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+    for name in streaming_segments_naming([tmp_path.resolve()]):  # the SIGKILLed ranks' (no restart here)
+        unlink_shm(name)
 
 
 def test_a_stopped_rank_is_declared_hung_its_stack_logged_and_the_job_restarts(
