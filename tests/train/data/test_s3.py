@@ -30,7 +30,7 @@ from train.loop.trainer import fit
 def test_train_from_s3_data_to_s3_checkpoints_then_resume_and_export(s3_prefix: str, tmp_path: Path) -> None:
     data, save = f"{s3_prefix}/data", f"{s3_prefix}/run"
     write_fake_dataset(data, n=16)  # 2 batches of 8 per epoch
-    common = ["save_interval=2ba", "samples.interval=4ba"]
+    common = ["save_interval=2ba", "samples.interval=4ba", "data.num_workers=2"]  # as recipes read
     local1 = f"log.local_dir={tmp_path / 'local1'}"
     first = fit(tiny_config(data, save, tmp_path / "cache1", "max_duration=4ba", local1, *common))
     assert int(first.state.timestamp.batch) == 4
