@@ -207,6 +207,16 @@ def _workers_joined_iterator_class() -> type:
     return WorkersJoinedIter
 
 
+def end_workers(loader: Any) -> None:
+    """End the persistent workers of `loader` (any torch DataLoader) and let go of its iterator. After the
+    last epoch the workers have ended, but the spent iterator keeps its queues, pipes and threads for as long
+    as the loader lives; workers still running (a run that raised mid-epoch) are ended first."""
+    iterator = getattr(loader, "_iterator", None)
+    if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+        iterator._shutdown_workers()
+        loader._iterator = None
+
+
 # torch's text for a loader worker's error: "Caught <Name> in DataLoader worker process <N>.\nOriginal
 # Traceback (most recent call last): ...", ending with the worker's own "<module.Name>: <message>" line.
 _WORKER_ERROR = re.compile(r"Caught \w+ in DataLoader worker process \d+\.\nOriginal Traceback")

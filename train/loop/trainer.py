@@ -35,7 +35,7 @@ from train.checkpoints.uploads import upload_patiently_from
 from train.config import TrainConfig
 from train.data.buckets import compile_per_bucket, run_streams
 from train.data.loader import build_dataloader
-from train.data.packing import packed_data_spec
+from train.data.packing import end_workers, packed_data_spec
 from train.data.recorded import CONFIG_FILENAME
 from train.loop.callbacks import build_callbacks, build_loggers, dataset_leases, stream_callbacks
 from train.loop.compiled import composer_ddp
@@ -298,17 +298,11 @@ def close_trainer(trainer: Trainer) -> None:
 
 
 def end_loader_workers(state: Any) -> None:
-    """End a closed trainer's loader workers and let go of their iterators. After a finished run the workers
-    have ended, but the spent iterator keeps its queues, pipes and threads for as long as something holds
-    the trainer, which `fit` returns (a sweep driver, a notebook, the suite: the S3 end-to-end test, reading
-    with 2 workers, held 54 descriptors after it had ended). Workers still running (a run that raised) are
-    ended first."""
+    """End a closed trainer's loader workers and let go of their iterators (`packing.end_workers`): the
+    trainer outlives the run in whoever holds it, which `fit` returns it to (a sweep driver, a notebook, the
+    suite: the S3 end-to-end test, reading with 2 workers, held 54 descriptors after it had ended)."""
     if state is None:
         return
-    specs = [getattr(e, "dataloader", None) for e in getattr(state, "evaluators", None) or []]
-    loaders = [getattr(state, "train_dataloader", None), *(getattr(s, "dataloader", None) for s in specs)]
-    for loader in loaders:
-        iterator = getattr(loader, "_iterator", None)
-        if iterator is not None and hasattr(iterator, "_shutdown_workers"):
-            iterator._shutdown_workers()
-            loader._iterator = None
+    evaluated = [getattr(e.dataloader, "dataloader", None) for e in state.evaluators or []]
+    for loader in [state.train_dataloader, *evaluated]:
+        end_workers(loader)
